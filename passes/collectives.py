@@ -1,0 +1,107 @@
+"""Small predicates over FX nodes for the functional collectives simplefsdp's graphs contain.
+
+These work on the graphs torch.compile hands to aot_autograd compilers and to inductor's
+post-grad passes: nodes whose target is a `torch.ops._c10d_functional` overload.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections import Counter
+
+import torch
+from torch import fx
+
+from simplefsdp._compat import OpOverload, OpOverloadPacket
+
+__all__ = [
+    "collective_counts",
+    "collective_dtype",
+    "derives_from_all_gather",
+    "is_all_gather",
+    "is_all_reduce",
+    "is_reduce_scatter",
+    "is_wait",
+]
+
+_c10d = torch.ops._c10d_functional
+
+
+def _is_call(node: fx.Node, packet: OpOverloadPacket) -> bool:
+    return node.op == "call_function" and getattr(node.target, "overloadpacket", None) is packet
+
+
+def is_all_gather(node: fx.Node) -> bool:
+    return _is_call(node, _c10d.all_gather_into_tensor)
+
+
+def is_reduce_scatter(node: fx.Node) -> bool:
+    return _is_call(node, _c10d.reduce_scatter_tensor)
+
+
+def is_all_reduce(node: fx.Node) -> bool:
+    return _is_call(node, _c10d.all_reduce)
+
+
+def is_wait(node: fx.Node) -> bool:
+    return _is_call(node, _c10d.wait_tensor)
+
+
+_KINDS = {
+    "all_gather": is_all_gather,
+    "reduce_scatter": is_reduce_scatter,
+    "all_reduce": is_all_reduce,
+    "wait": is_wait,
+}
+
+
+def collective_counts(gm: fx.GraphModule) -> Counter[str]:
+    """How many nodes of each collective kind (`all_gather`, `reduce_scatter`, `all_reduce`, `wait`) `gm` has."""
+    counts: Counter[str] = Counter({kind: 0 for kind in _KINDS})
+    for node in gm.graph.nodes:
+        for kind, predicate in _KINDS.items():
+            if predicate(node):
+                counts[kind] += 1
+    return counts
+
+
+def collective_dtype(node: fx.Node) -> torch.dtype:
+    """dtype of the tensor a collective node sends (its first argument), from the traced metadata."""
+    return node.args[0].meta["val"].dtype
+
+
+_PASSTHROUGH_TARGETS = {
+    torch.ops.aten._to_copy.default,
+    torch.ops.aten.clone.default,
+    torch.ops.aten.cat.default,
+    torch.ops.prims.convert_element_type.default,
+    operator.getitem,
+}
+
+
+def _passes_value_through(node: fx.Node) -> bool:
+    """True for ops that only move, view or cast their input: no new information from other tensors."""
+    if node.op != "call_function":
+        return False
+    target = node.target
+    if target in _PASSTHROUGH_TARGETS or is_wait(node):
+        return True
+    return isinstance(target, OpOverload) and target.is_view
+
+
+def derives_from_all_gather(node: fx.Node) -> bool:
+    """True if `node`'s value is an all-gather's output, seen through waits, views, casts, copies and concats.
+
+    Used to check that a forward graph saves no gathered weight for backward (FULL_SHARD).
+    """
+    stack, seen = [node], set()
+    while stack:
+        current = stack.pop()
+        if current in seen:
+            continue
+        seen.add(current)
+        if is_all_gather(current):
+            return True
+        if _passes_value_through(current):
+            stack.extend(current.all_input_nodes)
+    return False

@@ -1,0 +1,89 @@
+"""Every private torch API simplefsdp touches, imported in this one file.
+
+A torch upgrade that moves one of these breaks this file and nothing else. Each import names the
+torch versions it was checked against (2.11 on the GPU machines, 2.13 on the CPU machines).
+"""
+
+from __future__ import annotations
+
+# aot_autograd backend factory and inductor's partitioner, used to capture the forward/backward
+# graphs torch.compile produces (graph inspection and graph-structure tests).
+# torch._dynamo.backends.common.aot_autograd: checked on 2.11 and 2.13.
+from torch._dynamo.backends.common import aot_autograd
+from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+# OpOverload / OpOverloadPacket: the types of `torch.ops.<ns>.<op>[.overload]`, to recognise FX targets.
+# torch._ops: checked on 2.11 and 2.13.
+from torch._ops import OpOverload, OpOverloadPacket
+
+# torch.utils._pytree: tree_map over (args, kwargs) for the mixed-precision input cast.
+# Stable since 2.0; checked on 2.11 and 2.13.
+from torch.utils._pytree import tree_map_only
+
+
+# [Note: per-rank AOTAutograd cache keys for DTensor inputs]
+# torch 2.11-2.13 key the AOTAutograd cache entry of a DTensor input by `DTensor._stable_hash_for_caching`,
+# which hashes the DTensorSpec (mesh, placements, *global* shape) only (pytorch/pytorch#188390). Ranks
+# that share a cache directory (every rank of a node does by default) then share entries although
+# their traced graphs differ: an uneven shard has a rank-dependent local shape, and on a 2-D mesh the
+# process-group names baked into the graph differ by rank. Seen here: on a warm cache one rank loaded
+# another's graph and failed a size assert, another could not resolve a group name, a third hung
+# in a collective. The override below appends what the spec leaves out -- this rank's local shape
+# and stride, its mesh coordinate and the group names of the mesh dims -- so ranks whose graphs can
+# differ get different keys, and ranks whose graphs are identical still share. It only ever makes
+# keys more specific (never a wrong hit where torch had none), and it is installed by `wrap()`.
+def _rank_aware_stable_hash(self) -> str:
+    import hashlib
+
+    mesh = self.device_mesh
+    local = self._local_tensor
+    extra = (
+        tuple(local.shape),
+        tuple(local.stride()),
+        tuple(mesh.get_coordinate() or ()),
+        tuple(mesh.get_group(dim).group_name for dim in range(mesh.ndim)),
+    )
+    data = (_torch_stable_hash(self) if _torch_stable_hash else _spec_summary(self)) + repr(extra)
+    return hashlib.blake2b(data.encode(), digest_size=16).hexdigest()
+
+
+def _spec_summary(self) -> str:
+    """What torch's own hash covers, for a torch without `DTensor._stable_hash_for_caching`."""
+    return repr((self.device_mesh.mesh.tolist(), self.placements, tuple(self.shape), self.dtype, self.requires_grad))
+
+
+def install_rank_aware_dtensor_cache_keys() -> None:
+    """Install the override of [Note: per-rank AOTAutograd cache keys for DTensor inputs]; idempotent."""
+    from torch.distributed.tensor import DTensor
+
+    global _torch_stable_hash
+    current = getattr(DTensor, "_stable_hash_for_caching", None)
+    if getattr(current, "_simplefsdp_rank_aware", False):
+        return
+    _torch_stable_hash = current
+    _rank_aware_stable_hash._simplefsdp_rank_aware = True
+    DTensor._stable_hash_for_caching = _rank_aware_stable_hash
+
+
+def fake_store():
+    """A `FakeStore` for the "fake" process-group backend: one process traces any world size.
+
+    torch.testing._internal.distributed.fake_pg: checked on 2.11 and 2.13. Importing it registers
+    the "fake" backend with torch.distributed, so it is imported lazily, only when asked for.
+    """
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    return FakeStore()
+
+
+_torch_stable_hash = None  # torch's own DTensor._stable_hash_for_caching, once replaced
+
+__all__ = [
+    "OpOverload",
+    "OpOverloadPacket",
+    "aot_autograd",
+    "fake_store",
+    "install_rank_aware_dtensor_cache_keys",
+    "min_cut_rematerialization_partition",
+    "tree_map_only",
+]

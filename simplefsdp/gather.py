@@ -1,0 +1,83 @@
+"""The one function that turns a sharded parameter into the full tensor a module computes with.
+
+`gather_full(param, spec)` is called at every attribute access of a wrapped parameter (see
+`parametrize.py`). Under torch.compile it is traced, so each call becomes, in the graph:
+
+    forward:  [cast to param_dtype] -> all_gather_into_tensor -> wait_tensor -> (unpad) -> compute
+    backward: [cast to reduce_dtype] -> reduce_scatter_tensor / all_reduce -> wait_tensor -> [cast back]
+
+[Note: grad_placements=Partial is what makes gradients right]
+`DTensor.to_local()` has to be told what the gradient of the local tensor will look like. Each
+rank's gradient of the full weight is only its own batch's contribution, i.e. a `Partial` value
+over the data-parallel mesh. Without `grad_placements=Partial(...)` autograd would treat it as
+`Replicate`, the backward would run no reduction at all, and every rank would silently step with
+its local gradient. With it, the backward of the redistribution is the reduce-scatter (sharded
+mesh dims) or all-reduce (replicated mesh dims) that data parallelism needs. The reduce op is
+`avg` by default (what DDP and FSDP2 do) or `sum`.
+
+[Note: resharding after forward]
+By default the partitioner saves the all-gathered weight for backward, which is ZeRO-2. For
+ZeRO-3 the gather is wrapped in a non-reentrant activation checkpoint when compiling: dynamo tags
+every op inside it (cast, all-gather, wait, unpad) as recompute, so the min-cut partitioner saves
+only the sharded parameter and re-gathers in backward exactly the weights backward uses. A plain
+checkpoint is used rather than a selective policy: every op in the region is cheap and must be
+recomputed, and a `context_fn` would print a warning on every compile. In eager mode the
+checkpoint is skipped: the module's own autograd nodes save the full weight anyway, so eager
+gives the same numbers with ZeRO-2 memory, and compile is where resharding happens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+import torch
+from torch.distributed.tensor import DTensor, Partial, Placement, Replicate
+from torch.utils.checkpoint import checkpoint
+
+__all__ = ["GatherSpec", "gather_full"]
+
+ReduceOp = Literal["avg", "sum"]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class GatherSpec:
+    """How one sharded parameter is gathered in forward and how its gradient is reduced in backward.
+
+    Invariant: `len(full_placements) == len(grad_placements) == mesh.ndim`; every full placement is
+    `Replicate()` and every grad placement is `Partial(reduce_op)`.
+    """
+
+    mesh_ndim: int
+    param_dtype: torch.dtype | None
+    reduce_dtype: torch.dtype | None
+    reduce_op: ReduceOp
+    reshard_after_forward: bool
+
+    @property
+    def full_placements(self) -> tuple[Placement, ...]:
+        return (Replicate(),) * self.mesh_ndim
+
+    @property
+    def grad_placements(self) -> tuple[Placement, ...]:
+        return (Partial(self.reduce_op),) * self.mesh_ndim
+
+
+def _redistribute(param: DTensor, spec: GatherSpec) -> torch.Tensor:
+    full = param.redistribute(
+        placements=spec.full_placements,
+        forward_dtype=spec.param_dtype,
+        backward_dtype=spec.reduce_dtype,
+    )
+    return full.to_local(grad_placements=spec.grad_placements)
+
+
+def gather_full(param: DTensor, spec: GatherSpec) -> torch.Tensor:
+    """The full (unsharded) local tensor of `param`, in `spec.param_dtype`, differentiable.
+
+    Its gradient is reduced over the mesh in `spec.reduce_dtype` and lands in `param.grad` as a
+    DTensor with `param`'s placements and dtype.
+    """
+    if spec.reshard_after_forward and torch.compiler.is_compiling():
+        return checkpoint(_redistribute, param, spec, use_reentrant=False)
+    return _redistribute(param, spec)

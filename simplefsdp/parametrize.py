@@ -1,0 +1,83 @@
+"""Attribute-access parametrization: `module.weight` returns the gathered full tensor.
+
+[Note: why a class swap and not torch.nn.utils.parametrize]
+`torch.nn.utils.parametrize.register_parametrization` moves the parameter to
+`module.parametrizations.weight.original`, which renames every key of `named_parameters()` and
+`state_dict()` and breaks optimizers' and checkpoints' expectations. Instead each module that owns
+floating-point parameters gets a per-(class, names) subclass whose class-level properties shadow
+those names. A property is a data descriptor, so `module.weight` resolves to it before
+`nn.Module.__getattr__` would look in `_parameters`. The parameter itself stays registered in
+`module._parameters["weight"]` under its original name, holding the sharded DTensor, so
+`named_parameters()`, `state_dict()` and optimizers see exactly the sharded masters.
+
+Invariants:
+- a swapped class subclasses the original, so `isinstance(module, nn.Linear)` still holds;
+- the original class is recorded on the swapped one (`_simplefsdp_unsharded_class`), which is how
+  `sharded_parameters()` and the double-wrap check recognise a wrapped module.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Iterator
+
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from simplefsdp.gather import GatherSpec, gather_full
+
+__all__ = ["install", "is_wrapped_module", "sharded_parameters"]
+
+_SPECS_ATTR = "_simplefsdp_gather_specs"
+_ORIGINAL_CLASS_ATTR = "_simplefsdp_unsharded_class"
+
+
+def _gathered_property(name: str) -> property:
+    def get(self: nn.Module):
+        param = self._parameters[name]
+        if not isinstance(param, DTensor):
+            raise TypeError(
+                f"parameter {name!r} of {type(self).__name__} was replaced after simplefsdp.wrap() by a "
+                f"{type(param).__name__}; assign an nn.Parameter holding a DTensor with the same "
+                "placements, or assign before wrapping"
+            )
+        return gather_full(param, getattr(self, _SPECS_ATTR)[name])
+
+    return property(get, doc=f"The full (all-gathered) value of the sharded parameter {name!r}.")
+
+
+@functools.cache
+def _sharded_class(cls: type[nn.Module], names: tuple[str, ...]) -> type[nn.Module]:
+    attrs = {name: _gathered_property(name) for name in names}
+    attrs[_ORIGINAL_CLASS_ATTR] = cls
+    return type(f"SimpleFSDP{cls.__name__}", (cls,), attrs)
+
+
+def is_wrapped_module(module: nn.Module) -> bool:
+    return hasattr(type(module), _ORIGINAL_CLASS_ATTR)
+
+
+def install(module: nn.Module, specs: dict[str, GatherSpec]) -> None:
+    """Make each `module.<name>` in `specs` return the gathered full tensor of its sharded parameter."""
+    setattr(module, _SPECS_ATTR, dict(specs))
+    module.__class__ = _sharded_class(type(module), tuple(sorted(specs)))
+
+
+@contextlib.contextmanager
+def sharded_parameters(model: nn.Module) -> Iterator[nn.Module]:
+    """Inside the block, `module.weight` is the raw sharded `nn.Parameter` (a DTensor), not the gathered tensor.
+
+    For initialization (`nn.init.*_` and `reset_parameters()` act on the shards) and inspection.
+    Nothing is gathered inside the block. The classes are restored on exit, also on error.
+    """
+    swapped = [m for m in model.modules() if is_wrapped_module(m)]
+    if not swapped:
+        raise ValueError(f"{type(model).__name__} is not wrapped by simplefsdp.wrap(): it has no sharded parameters")
+    for module in swapped:
+        module.__class__ = getattr(type(module), _ORIGINAL_CLASS_ATTR)
+    try:
+        yield model
+    finally:
+        for module in swapped:
+            module.__class__ = _sharded_class(type(module), tuple(sorted(getattr(module, _SPECS_ATTR))))

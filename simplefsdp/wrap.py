@@ -1,0 +1,144 @@
+"""`wrap()`: turn a plain `nn.Module` into a simplefsdp model, in place."""
+
+from __future__ import annotations
+
+import logging
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from simplefsdp._compat import install_rank_aware_dtensor_cache_keys
+from simplefsdp.gather import GatherSpec, ReduceOp
+from simplefsdp.mesh import resolve_mesh
+from simplefsdp.mixed_precision import MixedPrecisionPolicy
+from simplefsdp.parametrize import install, is_wrapped_module
+from simplefsdp.strategy import ShardingStrategy
+
+__all__ = ["wrap"]
+
+logger = logging.getLogger(__name__)
+
+_ROOT_ATTR = "_simplefsdp_wrapped"  # set on the module wrap() was called on
+
+
+def _floating_params(model: nn.Module) -> dict[str, nn.Parameter]:
+    """Floating-point parameters by fully qualified name, each shared (tied) parameter once."""
+    return {fqn: p for fqn, p in model.named_parameters() if p.is_floating_point()}
+
+
+def _check_wrappable(model: nn.Module, params: dict[str, nn.Parameter]) -> None:
+    if getattr(model, _ROOT_ATTR, False):
+        raise ValueError("the model is already wrapped by simplefsdp.wrap(); wrap a model once, at its root")
+    for fqn, module in model.named_modules():
+        if getattr(module, _ROOT_ATTR, False) or is_wrapped_module(module):
+            where = f"submodule {fqn!r}" if fqn else "the model"
+            raise ValueError(f"{where} is already wrapped by simplefsdp.wrap(); wrap a model once, at its root")
+    for fqn, param in params.items():
+        if isinstance(param, DTensor):
+            raise ValueError(
+                f"parameter {fqn!r} is already a DTensor (placements {param.placements} on {param.device_mesh}); "
+                "simplefsdp.wrap() shards plain tensors (composition with tensor parallel is not supported yet)"
+            )
+
+
+def _device_type(params: dict[str, nn.Parameter]) -> str:
+    types = {p.device.type for p in params.values()}
+    if len(types) > 1:
+        by_type = {t: next(fqn for fqn, p in params.items() if p.device.type == t) for t in sorted(types)}
+        raise ValueError(f"parameters live on several device types: {by_type} (an example parameter each)")
+    return types.pop() if types else "cpu"
+
+
+def _check_devices(params: dict[str, nn.Parameter], mesh: DeviceMesh) -> None:
+    for fqn, param in params.items():
+        if param.device.type != mesh.device_type:
+            raise ValueError(
+                f"parameter {fqn!r} is on device {param.device} but the mesh is on {mesh.device_type!r}; "
+                f"move the model with model.to({mesh.device_type!r}) before wrapping, or build the mesh on "
+                f"{param.device.type!r}"
+            )
+
+
+def _shard(param: nn.Parameter, mesh: DeviceMesh, strategy: ShardingStrategy) -> nn.Parameter:
+    placements = strategy.placements(param_ndim=param.ndim)
+    # distribute_tensor takes rank 0's values, so ranks that initialised differently still agree.
+    sharded = nn.Parameter(distribute_tensor(param.detach(), mesh, placements), requires_grad=param.requires_grad)
+    sharded.__dict__.update(param.__dict__)  # keep user tags such as `_no_weight_decay`
+    return sharded
+
+
+def wrap(
+    model: nn.Module,
+    mesh: DeviceMesh | None = None,
+    *,
+    strategy: ShardingStrategy | str = ShardingStrategy.FULL_SHARD,
+    mp_policy: MixedPrecisionPolicy | None = None,
+    reshard_after_forward: bool | None = None,
+    reduce_op: ReduceOp = "avg",
+) -> nn.Module:
+    """Shard `model`'s floating-point parameters over `mesh`, in place, and return `model`.
+
+    Args:
+        model: a plain module (its parameters plain tensors on one device type).
+        mesh: the data-parallel mesh; `None` is 1-D over the default process group. The
+            `HYBRID_*` strategies need a 2-D mesh `(replicate, shard)`.
+        strategy: a `ShardingStrategy` or its name (see `strategy.py` for the table).
+        mp_policy: mixed precision; `None` computes and reduces in the parameters' own dtype.
+        reshard_after_forward: overrides the strategy's default (True for FULL_SHARD / HYBRID_SHARD).
+        reduce_op: `"avg"` (default, what DDP and FSDP2 do) or `"sum"` over the data-parallel ranks.
+
+    After the call, for every floating-point parameter: `named_parameters()` and `state_dict()`
+    yield it under its original name as an `nn.Parameter` holding a DTensor with the strategy's
+    placements; `module.<name>` returns the full tensor (gathered in `param_dtype`), and its
+    gradient lands reduced in `param.grad` with the master's placements and dtype. Buffers and
+    non-floating-point parameters are untouched (replicated, as before).
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"simplefsdp.wrap() takes an nn.Module, got {type(model).__name__}")
+    strategy = ShardingStrategy.parse(strategy)
+    if reduce_op not in ("avg", "sum"):
+        raise ValueError(f"reduce_op must be 'avg' or 'sum', got {reduce_op!r}")
+    mp_policy = mp_policy or MixedPrecisionPolicy()
+    if not isinstance(mp_policy, MixedPrecisionPolicy):
+        raise TypeError(f"mp_policy must be a simplefsdp.MixedPrecisionPolicy, got {type(mp_policy).__name__}")
+    params = _floating_params(model)
+    _check_wrappable(model, params)
+    mesh = resolve_mesh(mesh, strategy=strategy, device_type=_device_type(params))
+    _check_devices(params, mesh)
+    reshard = strategy.reshard_after_forward if reshard_after_forward is None else reshard_after_forward
+
+    sharded: dict[int, nn.Parameter] = {}  # id(original) -> sharded; tied parameters stay one object
+    for module in model.modules():
+        specs: dict[str, GatherSpec] = {}
+        for name, param in module._parameters.items():
+            if param is None or not param.is_floating_point():
+                continue
+            if id(param) not in sharded:
+                sharded[id(param)] = _shard(param, mesh, strategy)
+            specs[name] = GatherSpec(
+                mesh_ndim=mesh.ndim,
+                param_dtype=mp_policy.gather_dtype(param.dtype),
+                reduce_dtype=mp_policy.reduction_dtype(param.dtype),
+                reduce_op=reduce_op,
+                reshard_after_forward=reshard,
+            )
+        for name in specs:
+            module._parameters[name] = sharded[id(module._parameters[name])]
+        if specs:
+            install(module, specs)
+    mp_policy.install_casts(model)
+    install_rank_aware_dtensor_cache_keys()
+    setattr(model, _ROOT_ATTR, True)
+
+    numel = sum(p.numel() for p in params.values())
+    logger.info(
+        "simplefsdp.wrap: %d parameters (%.2fM elements) -> %s on %s, reshard_after_forward=%s, %s",
+        len(params),
+        numel / 1e6,
+        strategy.value,
+        mesh,
+        reshard,
+        mp_policy,
+    )
+    return model

@@ -1,0 +1,129 @@
+"""A pool of gloo ranks spawned once and reused by every test of a module.
+
+    pool = RankPool(world_size=2)
+    per_rank_results = pool.run(some_module_level_function, arg, key=value)
+
+The function runs on every rank at once (inside an initialised default process group) and its
+return values come back as a list indexed by rank. It must be importable by name (defined at
+module level) and its arguments and results picklable. An exception on any rank is re-raised in
+the test with that rank's traceback; a rank that hangs or dies fails the test after `timeout_s`
+instead of hanging the suite, and the pool is restarted for the next test.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import queue
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+__all__ = ["RankPool"]
+
+# Compiles inside spawned ranks: no extra compile worker pool per rank (2 cores for 2-4 ranks).
+_WORKER_ENV = {"TORCHINDUCTOR_COMPILE_THREADS": "1", "OMP_NUM_THREADS": "1"}
+_COLLECTIVE_TIMEOUT = timedelta(seconds=300)
+_FAILURE_GRACE_S = 20.0
+
+
+def _worker(rank: int, world_size: int, init_file: str, tasks: mp.Queue, results: mp.Queue) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size, timeout=_COLLECTIVE_TIMEOUT
+    )
+    while (task := tasks.get()) is not None:
+        fn, args, kwargs = task
+        try:
+            torch.compiler.reset()  # each test compiles from scratch: no recompile limits carried over
+            results.put((rank, True, fn(*args, **kwargs)))
+        except BaseException:
+            results.put((rank, False, traceback.format_exc()))
+    dist.destroy_process_group()
+
+
+class RankPool:
+    def __init__(self, *, world_size: int, timeout_s: float = 900.0) -> None:
+        self.world_size = world_size
+        self.timeout_s = timeout_s
+        self._procs: list[mp.Process] = []
+
+    def _start(self) -> None:
+        ctx = mp.get_context("spawn")
+        fd, init_file = tempfile.mkstemp(prefix="simplefsdp-pg-")
+        os.close(fd)
+        os.unlink(init_file)  # the file store creates it; a stale one would be reused
+        self._tasks = [ctx.Queue() for _ in range(self.world_size)]
+        self._results = ctx.Queue()
+        saved = {k: os.environ.get(k) for k in _WORKER_ENV}
+        os.environ.update(_WORKER_ENV)
+        try:
+            self._procs = [
+                ctx.Process(
+                    target=_worker,
+                    args=(rank, self.world_size, init_file, self._tasks[rank], self._results),
+                    daemon=True,
+                )
+                for rank in range(self.world_size)
+            ]
+            for proc in self._procs:
+                proc.start()
+        finally:
+            for key, value in saved.items():
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value
+
+    def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
+        if not self._procs:
+            self._start()
+        for task_queue in self._tasks:
+            task_queue.put((fn, args, kwargs))
+        outcomes: dict[int, tuple[bool, Any]] = {}
+        deadline = time.monotonic() + self.timeout_s
+        while len(outcomes) < self.world_size:
+            # Once a rank has failed, the others may wait forever on a collective it never joins:
+            # give them a short grace period to report, then tear the pool down.
+            failed = any(not ok for ok, _ in outcomes.values())
+            wait_s = min(deadline - time.monotonic(), _FAILURE_GRACE_S if failed else self.timeout_s)
+            try:
+                rank, ok, value = self._results.get(timeout=max(wait_s, 0.0))
+            except queue.Empty:
+                if failed:
+                    break
+                dead = {i: p.exitcode for i, p in enumerate(self._procs) if not p.is_alive()}
+                self.close()
+                raise TimeoutError(
+                    f"{fn.__name__} did not finish on ranks {sorted(set(range(self.world_size)) - set(outcomes))} "
+                    f"within {self.timeout_s:.0f}s (exited ranks and codes: {dead})"
+                ) from None
+            outcomes[rank] = (ok, value)
+        failures = {rank: value for rank, (ok, value) in outcomes.items() if not ok}
+        if failures:
+            self.close()  # a failed collective can leave the group unusable: start afresh next time
+            details = "\n".join(f"--- rank {rank} ---\n{tb}" for rank, tb in sorted(failures.items()))
+            stuck = sorted(set(range(self.world_size)) - set(outcomes))
+            raise AssertionError(
+                f"{fn.__name__} failed on ranks {sorted(failures)} (no answer from {stuck}):\n{details}"
+            )
+        return [outcomes[rank][1] for rank in range(self.world_size)]
+
+    def close(self) -> None:
+        """Ask every rank to leave (they destroy the group together), then reap; kill any that hang."""
+        for task_queue in self._tasks if self._procs else []:
+            with contextlib.suppress(Exception):
+                task_queue.put(None)
+        for proc in self._procs:
+            proc.join(timeout=30)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+        self._procs = []

@@ -1,0 +1,39 @@
+"""Shared fixtures: gloo rank pools (spawned once per test module) and the fake process group."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from simplefsdp._compat import fake_store
+from tests._dist import RankPool
+
+
+@pytest.fixture(scope="module")
+def ranks2():
+    pool = RankPool(world_size=2)
+    yield pool
+    pool.close()
+
+
+@pytest.fixture(scope="module")
+def ranks4():
+    pool = RankPool(world_size=4)
+    yield pool
+    pool.close()
+
+
+@pytest.fixture(scope="module")
+def fake_world8():
+    """This process as rank 0 of a world of 8 on the "fake" backend: collectives trace but move no data."""
+    dist.init_process_group("fake", store=fake_store(), rank=0, world_size=8)
+    yield 8
+    dist.destroy_process_group()
+
+
+@pytest.fixture(autouse=True)
+def _fresh_compile_caches():
+    """Each test compiles its own models: no dynamo cache entries or recompile counts carried over."""
+    torch.compiler.reset()
+    return

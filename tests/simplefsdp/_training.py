@@ -1,0 +1,161 @@
+"""Training runs the parity tests compare: a single-process reference, simplefsdp, FSDP2 and DDP.
+
+Every run trains the same small transformer (uneven vocabulary) from the same seed on the same
+token batches for `STEPS` AdamW steps and returns `(losses, full parameters)`. The distributed
+runs split each global batch evenly over the data-parallel ranks, so the mean of the ranks'
+mean losses is the reference's full-batch mean loss.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor
+
+import simplefsdp
+from simplefsdp.models import Transformer, TransformerArgs
+
+ARGS = TransformerArgs(vocab_size=67, dim=32, n_layers=2, n_heads=4, ffn_dim=88, max_seq_len=16)
+STEPS = 5
+GLOBAL_BATCH = 8
+SEQ = 16
+LR = 1e-2
+
+
+@dataclasses.dataclass(frozen=True)
+class Result:
+    losses: list[float]
+    params: dict[str, torch.Tensor]
+    grad_dtypes: frozenset[torch.dtype] = frozenset()
+
+
+def batches(steps: int = STEPS) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(1234)
+    return [torch.randint(0, ARGS.vocab_size, (GLOBAL_BATCH, SEQ + 1), generator=gen) for _ in range(steps)]
+
+
+def fresh_model() -> Transformer:
+    torch.manual_seed(0)
+    return Transformer(ARGS)
+
+
+def loss_fn(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    logits = model(tokens[:, :-1])  # [B, S, V]
+    return F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
+
+
+def full_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {
+        fqn: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone() for fqn, p in model.named_parameters()
+    }
+
+
+OPTIMIZERS = {
+    "adamw-foreach": (torch.optim.AdamW, {"lr": LR, "foreach": True}),
+    "adamw-for-loop": (torch.optim.AdamW, {"lr": LR, "foreach": False}),
+    "adamw-fused": (torch.optim.AdamW, {"lr": LR, "fused": True}),
+    "adam-foreach": (torch.optim.Adam, {"lr": LR, "foreach": True}),
+    "adam-fused": (torch.optim.Adam, {"lr": LR, "fused": True}),
+    "sgd-momentum-foreach": (torch.optim.SGD, {"lr": 0.5, "momentum": 0.9, "foreach": True}),
+    "sgd-for-loop": (torch.optim.SGD, {"lr": 0.5, "foreach": False}),
+}
+
+
+def _optimizer(model: torch.nn.Module, name: str) -> torch.optim.Optimizer:
+    cls, kwargs = OPTIMIZERS[name]
+    return cls(model.parameters(), **kwargs)
+
+
+def train_reference(optimizer: str = "adamw-foreach") -> Result:
+    """One process, whole batch, fp32."""
+    model = fresh_model()
+    opt = _optimizer(model, optimizer)
+    losses = []
+    for tokens in batches():
+        loss = loss_fn(model, tokens)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return Result(losses, full_params(model))
+
+
+def _train_distributed(
+    model: torch.nn.Module, step_fn: torch.nn.Module, optimizer: str = "adamw-foreach", reduce_op: str = "avg"
+) -> Result:
+    """Train on this rank's share of each global batch; `reduce_op="sum"` scales the loss by 1/world
+    so the summed gradients equal the averaged ones (what a user switching to sum would do)."""
+    dp_rank, dp_size = dist.get_rank(), dist.get_world_size()
+    opt = _optimizer(model, optimizer)
+    losses = []
+    grad_dtypes = set()
+    for tokens in batches():
+        local = tokens.chunk(dp_size)[dp_rank]
+        loss = loss_fn(step_fn, local)
+        (loss / dp_size if reduce_op == "sum" else loss).backward()
+        grad_dtypes.update(p.grad.dtype for p in model.parameters())
+        opt.step()
+        opt.zero_grad()
+        global_loss = loss.detach().clone()
+        dist.all_reduce(global_loss)
+        losses.append(global_loss.item() / dp_size)
+    return Result(losses, full_params(model), frozenset(grad_dtypes))
+
+
+def _mesh(strategy: simplefsdp.ShardingStrategy) -> DeviceMesh:
+    world = dist.get_world_size()
+    if strategy.is_hybrid:
+        return init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
+    return init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
+
+
+def train_simplefsdp(
+    strategy: str,
+    backend: str,
+    *,
+    param_dtype: torch.dtype | None = None,
+    reduce_dtype: torch.dtype | None = None,
+    optimizer: str = "adamw-foreach",
+    reduce_op: str = "avg",
+) -> Result:
+    """simplefsdp on every rank of the default group; `backend` is "eager" or a torch.compile backend."""
+    parsed = simplefsdp.ShardingStrategy.parse(strategy)
+    model = fresh_model()
+    policy = simplefsdp.MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    simplefsdp.wrap(model, _mesh(parsed), strategy=parsed, mp_policy=policy, reduce_op=reduce_op)
+    step_fn = model if backend == "eager" else torch.compile(model, backend=backend)
+    return _train_distributed(model, step_fn, optimizer, reduce_op)
+
+
+def train_fsdp2(strategy: str, *, param_dtype=None, reduce_dtype=None) -> Result:
+    """FSDP2 `fully_shard` per block and at the root (its recommended use), eager; DDP for NO_SHARD."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.nn.parallel import DistributedDataParallel
+
+    parsed = simplefsdp.ShardingStrategy.parse(strategy)
+    model = fresh_model()
+    if parsed is simplefsdp.ShardingStrategy.NO_SHARD:
+        ddp = DistributedDataParallel(model)
+        return _train_distributed(model, ddp)
+    mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    mesh = _mesh(parsed)
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh, reshard_after_forward=parsed.reshard_after_forward, mp_policy=mp_policy)
+    fully_shard(model, mesh=mesh, reshard_after_forward=parsed.reshard_after_forward, mp_policy=mp_policy)
+    return _train_distributed(model, model)
+
+
+def tiny_bias_grads(backend: str) -> dict[str, torch.Tensor]:
+    """FULL_SHARD on the whole world, a Linear(5, 3) whose bias (3) is smaller than the world (4):
+    one step's full gradients, to compare with a single process on the whole batch."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(5, 3), torch.nn.Tanh(), torch.nn.Linear(3, 2))
+    simplefsdp.wrap(model)
+    step_fn = model if backend == "eager" else torch.compile(model, backend=backend)
+    x = torch.randn(4 * dist.get_world_size(), 5, generator=torch.Generator().manual_seed(1))
+    step_fn(x.chunk(dist.get_world_size())[dist.get_rank()]).square().mean().backward()
+    return {fqn: p.grad.full_tensor() for fqn, p in model.named_parameters()}

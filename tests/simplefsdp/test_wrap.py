@@ -1,0 +1,230 @@
+"""What `wrap()` does to a module, on the fake process group (world 8): names, placements, state, errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+import simplefsdp
+from simplefsdp.models import Transformer, TransformerArgs
+
+ARGS = TransformerArgs(vocab_size=67, dim=32, n_layers=2, n_heads=4, ffn_dim=88, max_seq_len=16)
+
+
+class WithExtras(nn.Module):
+    """A Linear plus state that must stay untouched: a buffer, an integer parameter, a 0-dim parameter."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 3)
+        self.scale = nn.Parameter(torch.tensor(2.0))
+        self.steps = nn.Parameter(torch.tensor([7], dtype=torch.int64), requires_grad=False)
+        self.register_buffer("running", torch.arange(5.0))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x) * self.scale + self.running[:3]
+
+
+@pytest.fixture
+def mesh(fake_world8):
+    return init_device_mesh("cpu", (fake_world8,))
+
+
+@pytest.mark.parametrize(
+    ("strategy", "placements"),
+    [("FULL_SHARD", (Shard(0),)), ("SHARD_GRAD_OP", (Shard(0),)), ("NO_SHARD", (Replicate(),))],
+)
+def test_parameters_keep_names_and_become_sharded_dtensors(mesh, strategy, placements):
+    plain = Transformer(ARGS)
+    names = [fqn for fqn, _ in plain.named_parameters()]
+    shapes = {fqn: p.shape for fqn, p in plain.named_parameters()}
+    keys = list(plain.state_dict())
+
+    model = simplefsdp.wrap(Transformer(ARGS), mesh, strategy=strategy)
+    assert [fqn for fqn, _ in model.named_parameters()] == names
+    assert list(model.state_dict()) == keys
+    for fqn, param in model.named_parameters():
+        assert isinstance(param, nn.Parameter), fqn
+        assert isinstance(param, DTensor), fqn
+        assert param.placements == placements, fqn
+        assert param.shape == shapes[fqn], fqn
+    for key, value in model.state_dict().items():
+        assert isinstance(value, DTensor), key
+
+
+def test_hybrid_placements(fake_world8):
+    mesh = init_device_mesh("cpu", (2, 4), mesh_dim_names=("replicate", "shard"))
+    model = simplefsdp.wrap(Transformer(ARGS), mesh, strategy="HYBRID_SHARD")
+    assert {p.placements for p in model.parameters()} == {(Replicate(), Shard(0))}
+
+
+def test_attribute_access_returns_full_tensor(mesh):
+    model = simplefsdp.wrap(Transformer(ARGS), mesh)
+    weight = model.output.weight
+    assert type(weight) is torch.Tensor
+    assert weight.shape == (ARGS.vocab_size, ARGS.dim)
+    assert isinstance(model.output, nn.Linear), "the swapped class still subclasses the original"
+
+
+def test_uneven_and_tiny_shards(mesh):
+    """vocab 67 on 8 ranks and a bias of 3 on 8 ranks: torch.chunk semantics, rank 0 holds the first chunk."""
+    model = simplefsdp.wrap(WithExtras(), mesh)
+    bias = model._modules["linear"]._parameters["bias"]
+    assert bias.shape == (3,)
+    assert bias.to_local().shape == (1,)
+    emb = simplefsdp.wrap(Transformer(ARGS), mesh).tok_embeddings._parameters["weight"]
+    assert emb.to_local().shape == (9, ARGS.dim)  # ceil(67 / 8) rows on rank 0
+
+
+def test_buffers_and_non_float_parameters_untouched(mesh):
+    model = WithExtras()
+    steps, running = model.steps, model.running
+    simplefsdp.wrap(model, mesh)
+    assert model.steps is steps
+    assert not isinstance(model.steps, DTensor)
+    assert model.running is running
+    assert not isinstance(model.running, DTensor)
+    scale = model._parameters["scale"]
+    assert isinstance(scale, DTensor)
+    assert scale.placements == (Replicate(),), "0-dim: nothing to shard"
+    assert model(torch.ones(2, 4)).shape == (2, 3)
+
+
+def test_tied_parameters_stay_one_object(mesh):
+    model = Transformer(ARGS)
+    model.output.weight = model.tok_embeddings.weight
+    simplefsdp.wrap(model, mesh)
+    assert model.output._parameters["weight"] is model.tok_embeddings._parameters["weight"]
+    assert len(list(model.parameters())) == len(list(Transformer(ARGS).parameters())) - 1
+
+
+def test_sharded_parameters_context(mesh):
+    model = simplefsdp.wrap(Transformer(ARGS), mesh)
+    with simplefsdp.sharded_parameters(model):
+        raw = model.output.weight
+        assert isinstance(raw, nn.Parameter)
+        assert isinstance(raw, DTensor)
+        with torch.no_grad():
+            nn.init.constant_(raw, 0.5)
+        model.reset_parameters()  # the model's own init runs on the shards
+        nn.init.zeros_(model.norm.weight)
+    assert type(model.output.weight) is torch.Tensor
+    assert torch.equal(model.norm.weight, torch.zeros(ARGS.dim))
+    with pytest.raises(RuntimeError, match="boom"), simplefsdp.sharded_parameters(model):
+        raise RuntimeError("boom")
+    assert type(model.output.weight) is torch.Tensor, "classes restored after an error"
+
+
+def test_mixed_precision_casts(mesh):
+    policy = simplefsdp.MixedPrecisionPolicy(param_dtype=torch.bfloat16, output_dtype=torch.float32)
+    model = simplefsdp.wrap(WithExtras(), mesh, mp_policy=policy)
+    assert model.linear.weight.dtype == torch.bfloat16
+    assert model._modules["linear"]._parameters["weight"].dtype == torch.float32, "masters stay fp32"
+    out = model(torch.ones(2, 4))  # fp32 input cast to bf16, output cast back
+    assert out.dtype == torch.float32
+
+
+# ---- bad input: each error names the culprit ---------------------------------------------------
+
+
+def test_wrapping_twice(mesh):
+    model = simplefsdp.wrap(Transformer(ARGS), mesh)
+    with pytest.raises(ValueError, match="the model is already wrapped"):
+        simplefsdp.wrap(model, mesh)
+    parent = nn.Sequential(nn.Linear(3, 3), model)
+    with pytest.raises(ValueError, match=r"submodule '1' is already wrapped"):
+        simplefsdp.wrap(parent, mesh)
+
+
+@pytest.mark.parametrize(
+    ("strategy", "shape", "match"),
+    [
+        ("HYBRID_SHARD", (8,), r"HYBRID_SHARD needs a 2-D mesh \(replicate, shard\), got a 1-D"),
+        ("HYBRID_SHARD_ZERO2", (8,), "HYBRID_SHARD_ZERO2 needs a 2-D mesh"),
+        ("FULL_SHARD", (2, 4), r"FULL_SHARD needs a 1-D mesh \(dp,\), got a 2-D DeviceMesh\('cpu', shape \(2, 4\)"),
+    ],
+)
+def test_mesh_dims_must_fit_strategy(fake_world8, strategy, shape, match):
+    with pytest.raises(ValueError, match=match):
+        simplefsdp.wrap(Transformer(ARGS), init_device_mesh("cpu", shape), strategy=strategy)
+
+
+def test_hybrid_without_mesh(fake_world8):
+    with pytest.raises(ValueError, match=r"HYBRID_SHARD needs a 2-D mesh .* and none was given"):
+        simplefsdp.wrap(Transformer(ARGS), strategy="HYBRID_SHARD")
+
+
+def test_default_mesh_is_the_whole_world(fake_world8):
+    model = simplefsdp.wrap(Transformer(ARGS))
+    mesh = model.output._parameters["weight"].device_mesh
+    assert mesh.device_type == "cpu"
+    assert tuple(mesh.shape) == (8,)
+
+
+def test_parameter_on_another_device_type(mesh):
+    model = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 3, device="meta"))
+    with pytest.raises(ValueError, match="parameters live on several device types"):
+        simplefsdp.wrap(model, mesh)
+    with pytest.raises(ValueError, match=r"parameter '0.weight' is on device meta but the mesh is on 'cpu'"):
+        simplefsdp.wrap(nn.Sequential(nn.Linear(3, 3, device="meta")), mesh)
+
+
+def test_unknown_strategy(mesh):
+    with pytest.raises(ValueError, match=r"unknown sharding strategy 'ZERO3'; expected one of: FULL_SHARD, "):
+        simplefsdp.wrap(Transformer(ARGS), mesh, strategy="ZERO3")
+
+
+def test_strategy_names_are_case_insensitive(mesh):
+    model = simplefsdp.wrap(Transformer(ARGS), mesh, strategy="no_shard")
+    assert model.output._parameters["weight"].placements == (Replicate(),)
+
+
+def test_already_dtensor_parameter(mesh):
+    first = simplefsdp.wrap(nn.Linear(4, 4), mesh)
+    model = nn.Sequential(nn.Linear(4, 4))
+    model[0]._parameters["weight"] = first._parameters["weight"]
+    with pytest.raises(ValueError, match=r"parameter '0.weight' is already a DTensor"):
+        simplefsdp.wrap(model, mesh)
+
+
+def test_bad_policy_and_reduce_op(mesh):
+    with pytest.raises(ValueError, match=r"param_dtype must be a floating-point torch\.dtype, got torch\.int32"):
+        simplefsdp.MixedPrecisionPolicy(param_dtype=torch.int32)
+    with pytest.raises(TypeError, match=r"mp_policy must be a simplefsdp\.MixedPrecisionPolicy"):
+        simplefsdp.wrap(Transformer(ARGS), mesh, mp_policy={"param_dtype": torch.bfloat16})
+    with pytest.raises(ValueError, match="reduce_op must be 'avg' or 'sum', got 'mean'"):
+        simplefsdp.wrap(Transformer(ARGS), mesh, reduce_op="mean")
+
+
+def test_not_a_module(mesh):
+    with pytest.raises(TypeError, match=r"wrap\(\) takes an nn.Module, got list"):
+        simplefsdp.wrap([nn.Linear(2, 2)], mesh)
+
+
+def test_parameter_replaced_after_wrap(mesh):
+    model = simplefsdp.wrap(nn.Linear(4, 4), mesh)
+    model.weight = nn.Parameter(torch.zeros(4, 4))
+    with pytest.raises(TypeError, match="parameter 'weight' of SimpleFSDPLinear was replaced after"):
+        model(torch.ones(1, 4))
+
+
+def test_sharded_parameters_on_unwrapped_model():
+    with (
+        pytest.raises(ValueError, match=r"Linear is not wrapped by simplefsdp\.wrap"),
+        simplefsdp.sharded_parameters(nn.Linear(2, 2)),
+    ):
+        pass
+
+
+def test_dtensor_cache_key_sees_the_local_shard(mesh):
+    """Two ranks' views of one uneven parameter (9 rows on rank 0, 4 on rank 7 of 67) must not share a
+    compile-cache key; see [Note: per-rank AOTAutograd cache keys for DTensor inputs]."""
+    simplefsdp.wrap(nn.Linear(2, 2), mesh)  # installs the rank-aware key
+    rank0 = DTensor.from_local(torch.zeros(9, 4), mesh, [Shard(0)], shape=(67, 4), stride=(4, 1))
+    rank7 = DTensor.from_local(torch.zeros(4, 4), mesh, [Shard(0)], shape=(67, 4), stride=(4, 1))
+    same_as_rank0 = DTensor.from_local(torch.ones(9, 4), mesh, [Shard(0)], shape=(67, 4), stride=(4, 1))
+    assert rank0._stable_hash_for_caching() != rank7._stable_hash_for_caching()
+    assert rank0._stable_hash_for_caching() == same_as_rank0._stable_hash_for_caching()
