@@ -99,7 +99,8 @@ def wrap(
     strategy = ShardingStrategy.parse(strategy)
     if reduce_op not in ("avg", "sum"):
         raise ValueError(f"reduce_op must be 'avg' or 'sum', got {reduce_op!r}")
-    mp_policy = mp_policy or MixedPrecisionPolicy()
+    if mp_policy is None:
+        mp_policy = MixedPrecisionPolicy()
     if not isinstance(mp_policy, MixedPrecisionPolicy):
         raise TypeError(f"mp_policy must be a simplefsdp.MixedPrecisionPolicy, got {type(mp_policy).__name__}")
     params = _floating_params(model)
