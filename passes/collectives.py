@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import operator
 from collections import Counter
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import fx
@@ -22,6 +23,8 @@ __all__ = [
     "is_all_reduce",
     "is_reduce_scatter",
     "is_wait",
+    "passes_value_through",
+    "search",
 ]
 
 _c10d = torch.ops._c10d_functional
@@ -79,7 +82,7 @@ _PASSTHROUGH_TARGETS = {
 }
 
 
-def _passes_value_through(node: fx.Node) -> bool:
+def passes_value_through(node: fx.Node) -> bool:
     """True for ops that only move, view or cast their input: no new information from other tensors."""
     if node.op != "call_function":
         return False
@@ -89,19 +92,23 @@ def _passes_value_through(node: fx.Node) -> bool:
     return isinstance(target, OpOverload) and target.is_view
 
 
-def derives_from_all_gather(node: fx.Node) -> bool:
-    """True if `node`'s value is an all-gather's output, seen through waits, views, casts, copies and concats.
-
-    Used to check that a forward graph saves no gathered weight for backward (FULL_SHARD).
-    """
-    stack, seen = [node], set()
+def search(start: fx.Node, *, found: Callable[[fx.Node], bool], expand: Callable[[fx.Node], Iterable[fx.Node]]) -> bool:
+    """Depth-first search from `start`: True once a node satisfies `found`; `expand` gives the next nodes."""
+    stack, seen = [start], set()
     while stack:
         current = stack.pop()
         if current in seen:
             continue
         seen.add(current)
-        if is_all_gather(current):
+        if found(current):
             return True
-        if _passes_value_through(current):
-            stack.extend(current.all_input_nodes)
+        stack.extend(expand(current))
     return False
+
+
+def derives_from_all_gather(node: fx.Node) -> bool:
+    """True if `node`'s value is an all-gather's output, seen through waits, views, casts, copies and concats.
+
+    Used to check that a forward graph saves no gathered weight for backward (FULL_SHARD).
+    """
+    return search(node, found=is_all_gather, expand=lambda n: n.all_input_nodes if passes_value_through(n) else ())

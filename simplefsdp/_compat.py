@@ -6,15 +6,25 @@ torch versions it was checked against (2.11 on the GPU machines, 2.13 on the CPU
 
 from __future__ import annotations
 
+# Compiler configuration and the post-grad pass hook: inductor's and functorch's config modules
+# (scoped `.patch(...)` only, never assigned globally) and the `CustomGraphPass` base class whose
+# `uuid()` keys the FX graph cache. Checked on 2.11 and 2.13.
+import torch._functorch.config as functorch_config
+import torch._inductor.config as inductor_config
+
 # aot_autograd backend factory and inductor's partitioner, used to capture the forward/backward
 # graphs torch.compile produces (graph inspection and graph-structure tests).
 # torch._dynamo.backends.common.aot_autograd: checked on 2.11 and 2.13.
 from torch._dynamo.backends.common import aot_autograd
 from torch._functorch.partitioners import min_cut_rematerialization_partition
+from torch._inductor.custom_graph_pass import CustomGraphPass
 
 # OpOverload / OpOverloadPacket: the types of `torch.ops.<ns>.<op>[.overload]`, to recognise FX targets.
 # torch._ops: checked on 2.11 and 2.13.
 from torch._ops import OpOverload, OpOverloadPacket
+
+# Look up a process group by the name functional collectives carry in the graph. Checked on 2.11 and 2.13.
+from torch.distributed.distributed_c10d import _resolve_process_group as resolve_process_group
 
 # torch.utils._pytree: tree_map over (args, kwargs) for the mixed-precision input cast.
 # Stable since 2.0; checked on 2.11 and 2.13.
@@ -79,11 +89,15 @@ def fake_store():
 _torch_stable_hash = None  # torch's own DTensor._stable_hash_for_caching, once replaced
 
 __all__ = [
+    "CustomGraphPass",
     "OpOverload",
     "OpOverloadPacket",
     "aot_autograd",
     "fake_store",
+    "functorch_config",
+    "inductor_config",
     "install_rank_aware_dtensor_cache_keys",
     "min_cut_rematerialization_partition",
+    "resolve_process_group",
     "tree_map_only",
 ]

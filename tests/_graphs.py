@@ -6,13 +6,20 @@ for backward and what is recomputed is what inductor would see; the graphs then 
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from collections.abc import Callable
 
 import torch
 from torch import fx
 
-from simplefsdp._compat import aot_autograd, min_cut_rematerialization_partition
+from simplefsdp._compat import (
+    CustomGraphPass,
+    aot_autograd,
+    functorch_config,
+    inductor_config,
+    min_cut_rematerialization_partition,
+)
 
 
 @dataclasses.dataclass
@@ -45,3 +52,31 @@ def capture_step(model: torch.nn.Module, loss_of: Callable[[torch.nn.Module], to
     assert graphs.forward is not None, "torch.compile produced no forward graph"
     assert graphs.backward is not None, "torch.compile produced no backward graph"
     return graphs
+
+
+class _KeepPostGrad(CustomGraphPass):
+    """Records every post-grad graph inductor hands to the custom post pass (forward, then backward)."""
+
+    def __init__(self) -> None:
+        self.graphs: list[fx.Graph] = []
+
+    def __call__(self, graph: fx.Graph) -> None:
+        self.graphs.append(copy.deepcopy(graph))
+
+    def uuid(self) -> str:
+        return "tests-keep-post-grad"
+
+
+def capture_post_grad(model: torch.nn.Module, loss_of: Callable[[torch.nn.Module], torch.Tensor]) -> list[fx.Graph]:
+    """Compile `model` with inductor, run one step, and return the post-grad graphs `[forward, backward]`.
+
+    Config is patched only for this compile: no compile caches (so the pass really runs) and the
+    backward lowered together with the forward (inside the patch, not lazily at `.backward()`).
+    """
+    keep = _KeepPostGrad()
+    with (
+        inductor_config.patch(post_grad_custom_post_pass=keep, fx_graph_cache=False),
+        functorch_config.patch(force_non_lazy_backward_lowering=True, enable_autograd_cache=False),
+    ):
+        loss_of(torch.compile(model, backend="inductor", fullgraph=True)).backward()
+    return keep.graphs

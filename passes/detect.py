@@ -1,0 +1,130 @@
+"""Find the FSDP collectives in a post-grad FX graph: what the bucketing and reordering passes act on.
+
+An FSDP all-gather is an `all_gather_into_tensor` whose input is a graph input (the sharded
+parameter) seen through at most a dtype cast and a zero pad (DTensor pads the smaller shards of
+an unevenly sharded parameter before gathering). An FSDP reduction is a `reduce_scatter_tensor`
+or `all_reduce` whose waited result reaches a graph output (the gradient) through views, casts,
+copies and further reductions only (HYBRID chains an all-reduce and a reduce-scatter). Each is
+paired with its single `wait_tensor`. Everything else -- a user's own collectives,
+tensor-parallel collectives on activations -- is not a candidate.
+
+Invariant: the result lists are in graph order, so every rank, tracing the same program, finds
+the same candidates in the same order.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import fx
+
+from simplefsdp._compat import resolve_process_group
+from simplefsdp.passes.collectives import (
+    is_all_gather,
+    is_all_reduce,
+    is_reduce_scatter,
+    is_wait,
+    passes_value_through,
+    search,
+)
+
+__all__ = ["FsdpAllGather", "FsdpReduction", "find_fsdp_all_gathers", "find_fsdp_reductions"]
+
+_aten = torch.ops.aten
+_ALL_GATHER_INPUT_PREP = {
+    torch.ops.prims.convert_element_type.default,
+    _aten._to_copy.default,
+    _aten.constant_pad_nd.default,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class FsdpAllGather:
+    """An all-gather of one sharded parameter: `source` -> [prep ops] -> `collective` -> `wait`."""
+
+    source: fx.Node  # the graph input holding this rank's shard
+    collective: fx.Node
+    wait: fx.Node
+    group_name: str
+    group_size: int
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.collective.args[0].meta["val"].dtype
+
+    @property
+    def shard_numel(self) -> int:
+        return self.collective.args[0].meta["val"].numel()
+
+
+@dataclasses.dataclass(frozen=True)
+class FsdpReduction:
+    """A gradient reduction (reduce-scatter or all-reduce) whose waited result reaches a graph output."""
+
+    collective: fx.Node
+    wait: fx.Node
+    kind: str  # "reduce_scatter" or "all_reduce"
+    reduce_op: str
+    group_name: str
+    group_size: int
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.collective.args[0].meta["val"].dtype
+
+
+def _single_wait(node: fx.Node) -> fx.Node | None:
+    waits = [user for user in node.users if is_wait(user)]
+    return waits[0] if len(waits) == 1 and len(node.users) == 1 else None
+
+
+def _gathered_graph_input(node: fx.Node) -> fx.Node | None:
+    """The placeholder `node` (an all-gather input) comes from through cast / pad ops, if any."""
+    current = node
+    while current.op == "call_function" and current.target in _ALL_GATHER_INPUT_PREP:
+        current = current.args[0]
+    return current if current.op == "placeholder" else None
+
+
+def find_fsdp_all_gathers(graph: fx.Graph) -> list[FsdpAllGather]:
+    found = []
+    for node in graph.nodes:
+        if not is_all_gather(node):
+            continue
+        source, wait = _gathered_graph_input(node.args[0]), _single_wait(node)
+        if source is None or wait is None:
+            continue
+        group_size, group_name = node.args[1], node.args[2]
+        found.append(FsdpAllGather(source, node, wait, str(group_name), int(group_size)))
+    return found
+
+
+def _carries_reduced_value(node: fx.Node) -> bool:
+    # HYBRID: one reduction feeds the other (all-reduce across replicas, reduce-scatter within)
+    return passes_value_through(node) or is_reduce_scatter(node) or is_all_reduce(node)
+
+
+def _reaches_output(node: fx.Node) -> bool:
+    return search(
+        node,
+        found=lambda n: n.op == "output",
+        expand=lambda n: n.users if n is node or _carries_reduced_value(n) else (),
+    )
+
+
+def find_fsdp_reductions(graph: fx.Graph) -> list[FsdpReduction]:
+    found = []
+    for node in graph.nodes:
+        if is_reduce_scatter(node):
+            kind, (_, reduce_op, group_size, group_name) = "reduce_scatter", node.args[:4]
+        elif is_all_reduce(node):
+            kind, (_, reduce_op, group_name) = "all_reduce", node.args[:3]
+            group_size = resolve_process_group(group_name).size()
+        else:
+            continue
+        wait = _single_wait(node)
+        if wait is None or not _reaches_output(wait):
+            continue
+        found.append(FsdpReduction(node, wait, kind, str(reduce_op), str(group_name), int(group_size)))
+    return found
