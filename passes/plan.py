@@ -1,0 +1,162 @@
+"""Bucket plans: which FSDP collectives merge into one. Pure functions, no graph mutation.
+
+A plan is a list of `Bucket`s over `Candidate`s (the collectives `detect.py` finds, in graph
+order). Three ways to plan:
+
+- `plan_by_blocks`  (default, zero configuration): one bucket per repeated block of the model
+  (`find_repeated_blocks`: the children of a `ModuleList` of identical modules) and one for every
+  parameter outside them;
+- `plan_by_patterns` (manual): one bucket per entry of a list of module-FQN patterns, e.g.
+  `["tok_embeddings", "layers.*", "norm+output"]` (`*` matches within one FQN level per block, `+`
+  joins alternatives into one bucket);
+- `plan_by_cap` (size-driven): consecutive candidates up to a byte cap.
+
+Invariants of every plan (checked by `check_plan`, and by hypothesis in the tests):
+- it partitions the candidates: each is in exactly one bucket;
+- members of a bucket share a merge key (collective kind, process group, dtype): collectives on
+  different groups or in different dtypes are never merged;
+- order is preserved: members ascend within a bucket, buckets ascend by first member;
+- decisions depend only on the candidates (never on rank or timing), so every rank plans alike.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+from collections.abc import Hashable, Sequence
+
+from torch import nn
+
+__all__ = [
+    "Bucket",
+    "Candidate",
+    "check_plan",
+    "find_repeated_blocks",
+    "plan_by_blocks",
+    "plan_by_cap",
+    "plan_by_patterns",
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    """One collective the planner may bucket."""
+
+    index: int  # position in graph order
+    key: Hashable  # only candidates with equal keys may share a bucket
+    nbytes: int  # bytes this rank sends
+    owner: str = ""  # fully qualified name of the parameter, "" if unknown
+
+
+@dataclasses.dataclass(frozen=True)
+class Bucket:
+    members: tuple[int, ...]  # candidate indices, ascending
+
+
+def find_repeated_blocks(model: nn.Module) -> list[str]:
+    """FQNs of the children of every `ModuleList` whose children all share one class (e.g. `layers.0`)."""
+    blocks = []
+    for fqn, module in model.named_modules():
+        children = list(module.named_children())
+        same_class = len({type(child) for _, child in children}) == 1
+        if isinstance(module, nn.ModuleList) and len(children) > 1 and same_class:
+            prefix = f"{fqn}." if fqn else ""
+            blocks.extend(prefix + name for name, _ in children)
+    return blocks
+
+
+def _split_by_key(group: Sequence[Candidate]) -> list[Bucket]:
+    """One bucket per merge key within `group`, each in graph order."""
+    by_key: dict[Hashable, list[int]] = {}
+    for cand in sorted(group, key=lambda c: c.index):
+        by_key.setdefault(cand.key, []).append(cand.index)
+    return [Bucket(tuple(members)) for members in by_key.values()]
+
+
+def _ordered(buckets: list[Bucket]) -> list[Bucket]:
+    return sorted((b for b in buckets if b.members), key=lambda b: b.members[0])
+
+
+def _owned_by(owner: str, prefix: str) -> bool:
+    return owner == prefix or owner.startswith(prefix + ".")
+
+
+def plan_by_blocks(candidates: Sequence[Candidate], *, blocks: Sequence[str]) -> list[Bucket]:
+    """One bucket per block prefix in `blocks` (split by merge key), one for the rest."""
+    groups: dict[str, list[Candidate]] = {block: [] for block in blocks}
+    rest: list[Candidate] = []
+    for cand in candidates:
+        block = next((b for b in blocks if _owned_by(cand.owner, b)), None)
+        (groups[block] if block is not None else rest).append(cand)
+    return _ordered([b for group in [*groups.values(), rest] for b in _split_by_key(group)])
+
+
+def plan_by_patterns(candidates: Sequence[Candidate], *, patterns: Sequence[str]) -> list[Bucket]:
+    """One bucket per pattern; a candidate joins the first pattern matching its owner's FQN or a prefix of it.
+
+    `"layers.*"` gives one bucket *per matched block* (`layers.0`, `layers.1`, ...); `"norm+output"`
+    one bucket for both. Candidates no pattern matches form one last bucket. A pattern that
+    matches nothing is a `ValueError` naming it (a typo would otherwise silently unbucket).
+    """
+    groups: dict[tuple[int, str], list[Candidate]] = {}
+    rest: list[Candidate] = []
+    used = [False] * len(patterns)
+    for cand in candidates:
+        hit = _match(cand.owner, patterns)
+        if hit is None:
+            rest.append(cand)
+            continue
+        used[hit[0]] = True
+        groups.setdefault(hit, []).append(cand)
+    unused = [p for p, u in zip(patterns, used, strict=True) if not u]
+    if unused:
+        raise ValueError(f"bucket patterns {unused} match no parameter; owners are e.g. {_examples(candidates)}")
+    return _ordered([b for group in [*groups.values(), rest] for b in _split_by_key(group)])
+
+
+def _match(owner: str, patterns: Sequence[str]) -> tuple[int, str] | None:
+    """(pattern index, matched module prefix) of the first pattern matching `owner` or one of its prefixes."""
+    parts = owner.split(".")
+    prefixes = [".".join(parts[:i]) for i in range(1, len(parts) + 1)]
+    for i, pattern in enumerate(patterns):
+        for alternative in pattern.split("+"):
+            for prefix in prefixes:
+                if fnmatch.fnmatchcase(prefix, alternative.strip()):
+                    # a wildcard alternative buckets per matched block; a plain entry buckets as a whole
+                    return (i, prefix if "*" in alternative else pattern)
+    return None
+
+
+def _examples(candidates: Sequence[Candidate]) -> list[str]:
+    return sorted({c.owner for c in candidates})[:5]
+
+
+def plan_by_cap(candidates: Sequence[Candidate], *, cap_bytes: int) -> list[Bucket]:
+    """Greedy in graph order: a bucket grows while its key matches and it stays within `cap_bytes`.
+
+    A candidate larger than the cap gets a bucket of its own.
+    """
+    if cap_bytes <= 0:
+        raise ValueError(f"cap_bytes must be positive, got {cap_bytes}")
+    buckets: list[list[Candidate]] = []
+    for cand in sorted(candidates, key=lambda c: c.index):
+        last = buckets[-1] if buckets else None
+        fits = last is not None and last[0].key == cand.key and sum(c.nbytes for c in last) + cand.nbytes <= cap_bytes
+        if fits:
+            last.append(cand)
+        else:
+            buckets.append([cand])
+    return [Bucket(tuple(c.index for c in bucket)) for bucket in buckets]
+
+
+def check_plan(candidates: Sequence[Candidate], buckets: Sequence[Bucket]) -> None:
+    """Raise `AssertionError` naming the broken invariant (see the module docstring)."""
+    by_index = {c.index: c for c in candidates}
+    members = [i for b in buckets for i in b.members]
+    assert sorted(members) == sorted(by_index), "a plan must partition the candidates"
+    for bucket in buckets:
+        assert list(bucket.members) == sorted(bucket.members), f"bucket {bucket} is out of graph order"
+        keys = {by_index[i].key for i in bucket.members}
+        assert len(keys) == 1, f"bucket {bucket} mixes merge keys {keys}"
+    firsts = [b.members[0] for b in buckets]
+    assert firsts == sorted(firsts), "buckets must be ordered by their first member"

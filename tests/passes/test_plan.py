@@ -1,0 +1,111 @@
+"""Bucket plans: invariants under hypothesis, and the three planners on a real model's structure."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from simplefsdp.models import Transformer, TransformerArgs
+from simplefsdp.passes.plan import (
+    Candidate,
+    check_plan,
+    find_repeated_blocks,
+    plan_by_blocks,
+    plan_by_cap,
+    plan_by_patterns,
+)
+
+KEYS = [("all_gather", "0", "bf16"), ("all_gather", "1", "bf16"), ("all_gather", "0", "f32")]
+OWNERS = ["tok_embeddings.weight", "layers.0.wq.weight", "layers.0.w1.weight", "layers.1.wq.weight",
+          "layers.1.w1.weight", "layers.10.wq.weight", "norm.weight", "output.weight"]  # fmt: skip
+
+
+@st.composite
+def candidate_lists(draw):
+    n = draw(st.integers(0, 40))
+    return [
+        Candidate(
+            index=i,
+            key=draw(
+                st.sampled_from([("all_gather", "0", "bf16"), ("all_gather", "1", "bf16"), ("all_gather", "0", "f32")])
+            ),
+            nbytes=draw(st.integers(0, 5000)),
+            owner=draw(st.sampled_from(OWNERS)),
+        )
+        for i in range(n)
+    ]
+
+
+@settings(max_examples=200, deadline=None)
+@given(candidates=candidate_lists(), cap=st.integers(1, 6000))
+def test_cap_plan_invariants(candidates, cap):
+    buckets = plan_by_cap(candidates, cap_bytes=cap)
+    check_plan(candidates, buckets)
+    sizes = {c.index: c.nbytes for c in candidates}
+    for bucket in buckets:
+        total = sum(sizes[i] for i in bucket.members)
+        assert total <= cap or len(bucket.members) == 1, "only a single oversize candidate may exceed the cap"
+
+
+@settings(max_examples=200, deadline=None)
+@given(candidates=candidate_lists())
+def test_block_plan_invariants(candidates):
+    buckets = plan_by_blocks(candidates, blocks=["layers.0", "layers.1", "layers.10"])
+    check_plan(candidates, buckets)
+    owners = {c.index: c.owner for c in candidates}
+    for bucket in buckets:
+        blocks = {".".join(owners[i].split(".")[:2]) if owners[i].startswith("layers.") else "rest"
+                  for i in bucket.members}  # fmt: skip
+        assert len(blocks) == 1, f"a bucket spans blocks {blocks}"
+
+
+@settings(max_examples=200, deadline=None)
+@given(candidates=candidate_lists())
+def test_pattern_plan_invariants(candidates):
+    patterns = ["tok_embeddings", "layers.*", "norm+output"]
+    present = {c.owner.split(".")[0] for c in candidates}
+    if not {"tok_embeddings", "layers", "norm"} <= present and not {"tok_embeddings", "layers", "output"} <= present:
+        with pytest.raises(ValueError, match="match no parameter"):
+            plan_by_patterns(candidates, patterns=patterns)
+        return
+    check_plan(candidates, plan_by_patterns(candidates, patterns=patterns))
+
+
+def _cands(owners, key="k", nbytes=10):
+    return [Candidate(index=i, key=key, nbytes=nbytes, owner=o) for i, o in enumerate(owners)]
+
+
+def test_layers_prefix_does_not_capture_longer_indices():
+    """`layers.1` must not own `layers.10.*`."""
+    cands = _cands(["layers.1.wq.weight", "layers.10.wq.weight"])
+    assert [b.members for b in plan_by_blocks(cands, blocks=["layers.1", "layers.10"])] == [(0,), (1,)]
+
+
+def test_patterns_bucket_per_block_and_join_alternatives():
+    cands = _cands(OWNERS)
+    plan = plan_by_patterns(cands, patterns=["tok_embeddings", "layers.*", "norm+output"])
+    assert [b.members for b in plan] == [(0,), (1, 2), (3, 4), (5,), (6, 7)]
+
+
+def test_oversize_candidate_gets_its_own_bucket():
+    cands = [Candidate(0, "k", 10), Candidate(1, "k", 1000), Candidate(2, "k", 10), Candidate(3, "k", 10)]
+    assert [b.members for b in plan_by_cap(cands, cap_bytes=100)] == [(0,), (1,), (2, 3)]
+
+
+def test_different_keys_never_merge():
+    cands = [Candidate(0, ("ag", "group0"), 1), Candidate(1, ("ag", "group1"), 1), Candidate(2, ("ag", "group0"), 1)]
+    assert [b.members for b in plan_by_cap(cands, cap_bytes=100)] == [(0,), (1,), (2,)]
+    assert [b.members for b in plan_by_blocks(cands, blocks=[])] == [(0, 2), (1,)]
+
+
+def test_repeated_blocks_of_the_reference_transformer():
+    model = Transformer(TransformerArgs(n_layers=3))
+    assert find_repeated_blocks(model) == ["layers.0", "layers.1", "layers.2"]
+
+
+def test_bad_cap_and_unmatched_pattern():
+    with pytest.raises(ValueError, match="cap_bytes must be positive, got 0"):
+        plan_by_cap([], cap_bytes=0)
+    with pytest.raises(ValueError, match=r"bucket patterns \['decoder\.\*'\] match no parameter"):
+        plan_by_patterns(_cands(OWNERS), patterns=["decoder.*"])
