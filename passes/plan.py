@@ -9,7 +9,7 @@ order). Three ways to plan:
 - `plan_by_patterns` (manual): one bucket per entry of a list of module-FQN patterns, e.g.
   `["tok_embeddings", "layers.*", "norm+output"]` (`*` matches within one FQN level per block, `+`
   joins alternatives into one bucket);
-- `plan_by_cap` (size-driven): consecutive candidates up to a byte cap.
+- `plan_by_cap` (size-driven): candidates in graph order, per merge key, up to a byte cap.
 
 Invariants of every plan (checked by `check_plan`, and by hypothesis in the tests):
 - it partitions the candidates: each is in exactly one bucket;
@@ -132,21 +132,22 @@ def _examples(candidates: Sequence[Candidate]) -> list[str]:
 
 
 def plan_by_cap(candidates: Sequence[Candidate], *, cap_bytes: int) -> list[Bucket]:
-    """Greedy in graph order: a bucket grows while its key matches and it stays within `cap_bytes`.
-
-    A candidate larger than the cap gets a bucket of its own.
+    """Greedy in graph order, one open bucket per merge key: a candidate joins its key's open bucket
+    while that stays within `cap_bytes`, else it opens a new one. A candidate larger than the cap
+    gets a bucket of its own. Keys interleave freely (HYBRID alternates all-reduce / reduce-scatter).
     """
     if cap_bytes <= 0:
         raise ValueError(f"cap_bytes must be positive, got {cap_bytes}")
     buckets: list[list[Candidate]] = []
+    open_bucket: dict[Hashable, list[Candidate]] = {}
     for cand in sorted(candidates, key=lambda c: c.index):
-        last = buckets[-1] if buckets else None
-        fits = last is not None and last[0].key == cand.key and sum(c.nbytes for c in last) + cand.nbytes <= cap_bytes
-        if fits:
-            last.append(cand)
+        current = open_bucket.get(cand.key)
+        if current is not None and sum(c.nbytes for c in current) + cand.nbytes <= cap_bytes:
+            current.append(cand)
         else:
-            buckets.append([cand])
-    return [Bucket(tuple(c.index for c in bucket)) for bucket in buckets]
+            open_bucket[cand.key] = [cand]
+            buckets.append(open_bucket[cand.key])
+    return _ordered([Bucket(tuple(c.index for c in bucket)) for bucket in buckets])
 
 
 def check_plan(candidates: Sequence[Candidate], buckets: Sequence[Bucket]) -> None:

@@ -19,16 +19,23 @@ from torch._dynamo.backends.common import aot_autograd
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
+# Re-sort a graph after inserting nodes, keeping the existing order where dependencies allow.
+# torch._inductor.pattern_matcher.stable_topological_sort: checked on 2.11 and 2.13.
+from torch._inductor.pattern_matcher import stable_topological_sort
+
 # OpOverload / OpOverloadPacket: the types of `torch.ops.<ns>.<op>[.overload]`, to recognise FX targets.
 # torch._ops: checked on 2.11 and 2.13.
 from torch._ops import OpOverload, OpOverloadPacket
 
+# Fake tensors, for filling `meta["val"]` of nodes a pass adds. torch._subclasses: checked on 2.11 and 2.13.
+from torch._subclasses.fake_tensor import FakeTensorMode
+
 # Look up a process group by the name functional collectives carry in the graph. Checked on 2.11 and 2.13.
 from torch.distributed.distributed_c10d import _resolve_process_group as resolve_process_group
 
-# torch.utils._pytree: tree_map over (args, kwargs) for the mixed-precision input cast.
+# torch.utils._pytree: tree_map over (args, kwargs) for the mixed-precision input cast, leaves of FX args.
 # Stable since 2.0; checked on 2.11 and 2.13.
-from torch.utils._pytree import tree_map_only
+from torch.utils._pytree import tree_leaves, tree_map_only
 
 
 # [Note: per-rank AOTAutograd cache keys for DTensor inputs]
@@ -90,6 +97,7 @@ _torch_stable_hash = None  # torch's own DTensor._stable_hash_for_caching, once 
 
 __all__ = [
     "CustomGraphPass",
+    "FakeTensorMode",
     "OpOverload",
     "OpOverloadPacket",
     "aot_autograd",
@@ -99,5 +107,7 @@ __all__ = [
     "install_rank_aware_dtensor_cache_keys",
     "min_cut_rematerialization_partition",
     "resolve_process_group",
+    "stable_topological_sort",
+    "tree_leaves",
     "tree_map_only",
 ]

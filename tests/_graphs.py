@@ -6,6 +6,7 @@ for backward and what is recomputed is what inductor would see; the graphs then 
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 from collections.abc import Callable
@@ -55,28 +56,51 @@ def capture_step(model: torch.nn.Module, loss_of: Callable[[torch.nn.Module], to
 
 
 class _KeepPostGrad(CustomGraphPass):
-    """Records every post-grad graph inductor hands to the custom post pass (forward, then backward)."""
+    """Runs `before` (if any), then records every post-grad graph (forward, then backward)."""
 
-    def __init__(self) -> None:
+    def __init__(self, before: CustomGraphPass | None) -> None:
+        self.before = before
         self.graphs: list[fx.Graph] = []
 
     def __call__(self, graph: fx.Graph) -> None:
+        if self.before is not None:
+            self.before(graph)
         self.graphs.append(copy.deepcopy(graph))
 
     def uuid(self) -> str:
         return "tests-keep-post-grad"
 
 
-def capture_post_grad(model: torch.nn.Module, loss_of: Callable[[torch.nn.Module], torch.Tensor]) -> list[fx.Graph]:
-    """Compile `model` with inductor, run one step, and return the post-grad graphs `[forward, backward]`.
+def capture_post_grad(
+    model: torch.nn.Module,
+    loss_of: Callable[[torch.nn.Module], torch.Tensor],
+    *,
+    before: CustomGraphPass | None = None,
+) -> list[fx.Graph]:
+    """Compile `model` with inductor, run one step, and return the post-grad graphs `[forward, backward]`
+    (after running the pass `before` on them, if given).
 
     Config is patched only for this compile: no compile caches (so the pass really runs) and the
     backward lowered together with the forward (inside the patch, not lazily at `.backward()`).
     """
-    keep = _KeepPostGrad()
+    keep = _KeepPostGrad(before)
     with (
         inductor_config.patch(post_grad_custom_post_pass=keep, fx_graph_cache=False),
         functorch_config.patch(force_non_lazy_backward_lowering=True, enable_autograd_cache=False),
     ):
         loss_of(torch.compile(model, backend="inductor", fullgraph=True)).backward()
     return keep.graphs
+
+
+@contextlib.contextmanager
+def post_grad_pass(graph_pass: CustomGraphPass):
+    """Run `graph_pass` on the post-grad graphs of compiles inside the block (forward and backward).
+
+    Compile caches are off inside the block, so the pass really runs (a cache hit would return a
+    graph compiled earlier with the pass, without calling it).
+    """
+    with (
+        inductor_config.patch(post_grad_custom_post_pass=graph_pass, fx_graph_cache=False),
+        functorch_config.patch(force_non_lazy_backward_lowering=True, enable_autograd_cache=False),
+    ):
+        yield

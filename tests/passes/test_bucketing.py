@@ -1,0 +1,76 @@
+"""The bucketing pass on inductor post-grad graphs (world 8, fake process group)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.distributed.device_mesh import init_device_mesh
+
+import simplefsdp
+from simplefsdp.models import Transformer, TransformerArgs
+from simplefsdp.passes.collectives import collective_counts
+from simplefsdp.passes.detect import find_fsdp_all_gathers, find_fsdp_reductions
+from simplefsdp.passes.fsdp_pass import BucketConfig, FsdpBucketingPass
+from tests._graphs import capture_post_grad
+
+ARGS = TransformerArgs(vocab_size=67, dim=32, n_layers=2, n_heads=4, ffn_dim=88, max_seq_len=16)
+N_PARAMS = len(list(Transformer(ARGS).parameters()))
+
+
+def _bucketed_graphs(strategy: str, cap_bytes: int):
+    parsed = simplefsdp.ShardingStrategy.parse(strategy)
+    mesh = init_device_mesh("cpu", (2, 4) if parsed.is_hybrid else (8,))
+    torch.manual_seed(0)
+    model = simplefsdp.wrap(Transformer(ARGS), mesh, strategy=parsed)
+    tokens = torch.randint(0, ARGS.vocab_size, (2, 8))
+    graphs = capture_post_grad(
+        model, lambda compiled: compiled(tokens).sum(), before=FsdpBucketingPass(BucketConfig(cap_bytes=cap_bytes))
+    )
+    return graphs
+
+
+@pytest.mark.parametrize("strategy", ["FULL_SHARD", "HYBRID_SHARD"])
+def test_one_bucket_per_kind_when_everything_fits(fake_world8, strategy):
+    forward, backward = _bucketed_graphs(strategy, cap_bytes=2**30)
+    fwd, bwd = _counts(forward), _counts(backward)
+    assert fwd["all_gather"] == 1
+    assert bwd["all_gather"] == 1, "the re-gathers merge too"
+    assert bwd["reduce_scatter"] == 1
+    assert bwd["all_reduce"] == (1 if strategy == "HYBRID_SHARD" else 0)
+    assert fwd["wait"] == 1
+    assert bwd["wait"] == sum(bwd[k] for k in ("all_gather", "reduce_scatter", "all_reduce"))
+
+
+def _counts(graph: torch.fx.Graph):
+    return collective_counts(torch.fx.GraphModule(torch.nn.Module(), graph))
+
+
+def test_tiny_cap_changes_nothing(fake_world8):
+    forward, backward = _bucketed_graphs("FULL_SHARD", cap_bytes=1)
+    assert len(find_fsdp_all_gathers(forward)) == N_PARAMS
+    assert len(find_fsdp_reductions(backward)) == N_PARAMS
+
+
+def test_dependent_reductions_are_not_merged():
+    """A reduce-scatter whose input is computed from another one's result must stay separate."""
+    from simplefsdp._compat import FakeTensorMode
+    from simplefsdp.passes.bucket import apply_reduction_buckets, independent
+    from simplefsdp.passes.plan import Bucket
+
+    c10d, aten = torch.ops._c10d_functional, torch.ops.aten
+    with FakeTensorMode() as mode:
+        grad = mode.from_tensor(torch.zeros(16))
+    g = torch.fx.Graph()
+    x = g.placeholder("grad")
+    x.meta["val"] = grad
+    rs1 = g.call_function(c10d.reduce_scatter_tensor.default, (x, "sum", 8, "0"))
+    w1 = g.call_function(c10d.wait_tensor.default, (rs1,))
+    y = g.call_function(aten.repeat.default, (w1, [8]))  # depends on the first reduction's result
+    rs2 = g.call_function(c10d.reduce_scatter_tensor.default, (y, "sum", 8, "0"))
+    w2 = g.call_function(c10d.wait_tensor.default, (rs2,))
+    g.output((w1, w2))
+    reductions = find_fsdp_reductions(g)
+    assert len(reductions) == 2
+    assert not independent(reductions)
+    assert apply_reduction_buckets(g, reductions, [Bucket((0, 1))]) == 0
+    assert [n.target for n in g.nodes if n.op == "call_function"].count(c10d.reduce_scatter_tensor.default) == 2
