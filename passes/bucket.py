@@ -107,6 +107,15 @@ def _split_out(graph: fx.Graph, flat: fx.Node, sizes: list[int], dim: int, membe
 
 def _merge_all_gathers(graph: fx.Graph, members: list[FsdpAllGather]) -> list[fx.Node]:
     world, group = members[0].group_size, members[0].group_name
+    # [Note: rank-independent placement] Ranks holding a smaller shard of an uneven parameter pad
+    # it first, and that pad node sits wherever the parameter is first used. Left there, it would
+    # drag the merged collective to a rank-dependent position (ranks would then issue collectives in
+    # different orders: a mismatch). The cast / pad chains read only graph inputs, so they move up
+    # to the merged collective on every rank.
+    anchor = members[0].collective
+    for member in members:
+        for node in member.prep:
+            anchor.prepend(node)
     inputs = [m.collective.args[0] for m in members]
     sizes = [math.prod(_shape(x)) for x in inputs]
     with graph.inserting_before(members[0].collective):

@@ -20,6 +20,7 @@ import torch
 from torch import fx
 
 from simplefsdp._compat import resolve_process_group
+from simplefsdp.gather import OWNER_KEY
 from simplefsdp.passes.collectives import (
     is_all_gather,
     is_all_reduce,
@@ -29,7 +30,7 @@ from simplefsdp.passes.collectives import (
     search,
 )
 
-__all__ = ["FsdpAllGather", "FsdpReduction", "find_fsdp_all_gathers", "find_fsdp_reductions"]
+__all__ = ["FsdpAllGather", "FsdpReduction", "find_fsdp_all_gathers", "find_fsdp_reductions", "owner_of"]
 
 _aten = torch.ops.aten
 _ALL_GATHER_INPUT_PREP = {
@@ -44,6 +45,7 @@ class FsdpAllGather:
     """An all-gather of one sharded parameter: `source` -> [prep ops] -> `collective` -> `wait`."""
 
     source: fx.Node  # the graph input holding this rank's shard
+    prep: tuple[fx.Node, ...]  # cast / pad nodes from `source` to the collective's input, in order
     collective: fx.Node
     wait: fx.Node
     group_name: str
@@ -52,6 +54,10 @@ class FsdpAllGather:
     @property
     def dtype(self) -> torch.dtype:
         return self.collective.args[0].meta["val"].dtype
+
+    @property
+    def owner(self) -> str:
+        return owner_of(self.collective)
 
     @property
     def shard_numel(self) -> int:
@@ -73,18 +79,28 @@ class FsdpReduction:
     def dtype(self) -> torch.dtype:
         return self.collective.args[0].meta["val"].dtype
 
+    @property
+    def owner(self) -> str:
+        return owner_of(self.collective)
+
+
+def owner_of(node: fx.Node) -> str:
+    """FQN of the parameter whose gather traced `node` (see `simplefsdp.gather.OWNER_KEY`); "" if unknown."""
+    return node.meta.get("custom", {}).get(OWNER_KEY, "")
+
 
 def _single_wait(node: fx.Node) -> fx.Node | None:
     waits = [user for user in node.users if is_wait(user)]
     return waits[0] if len(waits) == 1 and len(node.users) == 1 else None
 
 
-def _gathered_graph_input(node: fx.Node) -> fx.Node | None:
-    """The placeholder `node` (an all-gather input) comes from through cast / pad ops, if any."""
-    current = node
+def _gathered_graph_input(node: fx.Node) -> tuple[fx.Node | None, tuple[fx.Node, ...]]:
+    """The placeholder `node` (an all-gather input) comes from through cast / pad ops, and those ops."""
+    current, prep = node, []
     while current.op == "call_function" and current.target in _ALL_GATHER_INPUT_PREP:
+        prep.append(current)
         current = current.args[0]
-    return current if current.op == "placeholder" else None
+    return (current if current.op == "placeholder" else None), tuple(reversed(prep))
 
 
 def find_fsdp_all_gathers(graph: fx.Graph) -> list[FsdpAllGather]:
@@ -92,11 +108,11 @@ def find_fsdp_all_gathers(graph: fx.Graph) -> list[FsdpAllGather]:
     for node in graph.nodes:
         if not is_all_gather(node):
             continue
-        source, wait = _gathered_graph_input(node.args[0]), _single_wait(node)
+        (source, prep), wait = _gathered_graph_input(node.args[0]), _single_wait(node)
         if source is None or wait is None:
             continue
         group_size, group_name = node.args[1], node.args[2]
-        found.append(FsdpAllGather(source, node, wait, str(group_name), int(group_size)))
+        found.append(FsdpAllGather(source, prep, node, wait, str(group_name), int(group_size)))
     return found
 
 

@@ -35,6 +35,7 @@ __all__ = [
     "plan_by_blocks",
     "plan_by_cap",
     "plan_by_patterns",
+    "validate_patterns",
 ]
 
 
@@ -95,22 +96,18 @@ def plan_by_patterns(candidates: Sequence[Candidate], *, patterns: Sequence[str]
     """One bucket per pattern; a candidate joins the first pattern matching its owner's FQN or a prefix of it.
 
     `"layers.*"` gives one bucket *per matched block* (`layers.0`, `layers.1`, ...); `"norm+output"`
-    one bucket for both. Candidates no pattern matches form one last bucket. A pattern that
-    matches nothing is a `ValueError` naming it (a typo would otherwise silently unbucket).
+    one bucket for both. Candidates no pattern matches form one last bucket. A graph may hold only
+    some parameters' collectives (the backward re-gathers no embedding), so a pattern matching no
+    candidate is fine here; `validate_patterns` checks patterns against the model's parameters.
     """
     groups: dict[tuple[int, str], list[Candidate]] = {}
     rest: list[Candidate] = []
-    used = [False] * len(patterns)
     for cand in candidates:
         hit = _match(cand.owner, patterns)
         if hit is None:
             rest.append(cand)
-            continue
-        used[hit[0]] = True
-        groups.setdefault(hit, []).append(cand)
-    unused = [p for p, u in zip(patterns, used, strict=True) if not u]
-    if unused:
-        raise ValueError(f"bucket patterns {unused} match no parameter; owners are e.g. {_examples(candidates)}")
+        else:
+            groups.setdefault(hit, []).append(cand)
     return _ordered([b for group in [*groups.values(), rest] for b in _split_by_key(group)])
 
 
@@ -127,8 +124,12 @@ def _match(owner: str, patterns: Sequence[str]) -> tuple[int, str] | None:
     return None
 
 
-def _examples(candidates: Sequence[Candidate]) -> list[str]:
-    return sorted({c.owner for c in candidates})[:5]
+def validate_patterns(patterns: Sequence[str], model: nn.Module) -> None:
+    """`ValueError` naming every pattern that matches no parameter of `model` (a typo would silently unbucket)."""
+    fqns = [fqn for fqn, _ in model.named_parameters()]
+    unused = [p for p in patterns if not any(_match(fqn, [p]) for fqn in fqns)]
+    if unused:
+        raise ValueError(f"bucket patterns {unused} match no parameter of {type(model).__name__}; e.g. {fqns[:4]}")
 
 
 def plan_by_cap(candidates: Sequence[Candidate], *, cap_bytes: int) -> list[Bucket]:

@@ -32,10 +32,13 @@ import dataclasses
 from typing import Literal
 
 import torch
+import torch.fx.traceback as fx_traceback
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate
 from torch.utils.checkpoint import checkpoint
 
-__all__ = ["GatherSpec", "gather_full"]
+__all__ = ["OWNER_KEY", "GatherSpec", "gather_full"]
+
+OWNER_KEY = "simplefsdp_param"  # node.meta["custom"] key naming the parameter a collective serves
 
 ReduceOp = Literal["avg", "sum"]
 
@@ -48,6 +51,7 @@ class GatherSpec:
     `Replicate()` and every grad placement is `Partial(reduce_op)`.
     """
 
+    fqn: str  # the parameter's fully qualified name; tags its collectives in the graph (OWNER_KEY)
     mesh_ndim: int
     param_dtype: torch.dtype | None
     reduce_dtype: torch.dtype | None
@@ -72,12 +76,22 @@ def _redistribute(param: DTensor, spec: GatherSpec) -> torch.Tensor:
     return full.to_local(grad_placements=spec.grad_placements)
 
 
+def _tagged_redistribute(param: DTensor, spec: GatherSpec) -> torch.Tensor:
+    # Every node traced here -- the cast, the all-gather and its wait, and in backward the
+    # reduction -- carries node.meta["custom"][OWNER_KEY] = spec.fqn, so graph passes know which
+    # parameter (and so which block) a collective belongs to.
+    with fx_traceback.annotate({OWNER_KEY: spec.fqn}):
+        return _redistribute(param, spec)
+
+
 def gather_full(param: DTensor, spec: GatherSpec) -> torch.Tensor:
     """The full (unsharded) local tensor of `param`, in `spec.param_dtype`, differentiable.
 
     Its gradient is reduced over the mesh in `spec.reduce_dtype` and lands in `param.grad` as a
     DTensor with `param`'s placements and dtype.
     """
-    if spec.reshard_after_forward and torch.compiler.is_compiling():
-        return checkpoint(_redistribute, param, spec, use_reentrant=False)
-    return _redistribute(param, spec)
+    if not torch.compiler.is_compiling():
+        return _redistribute(param, spec)
+    if spec.reshard_after_forward:
+        return checkpoint(_tagged_redistribute, param, spec, use_reentrant=False)
+    return _tagged_redistribute(param, spec)

@@ -110,6 +110,7 @@ def wrap(
     reshard = strategy.reshard_after_forward if reshard_after_forward is None else reshard_after_forward
 
     sharded: dict[int, nn.Parameter] = {}  # id(original) -> sharded; tied parameters stay one object
+    fqns = {id(p): fqn for fqn, p in params.items()}  # a tied parameter is named by its first FQN
     for module in model.modules():
         specs: dict[str, GatherSpec] = {}
         for name, param in module._parameters.items():
@@ -118,6 +119,7 @@ def wrap(
             if id(param) not in sharded:
                 sharded[id(param)] = _shard(param, mesh, strategy)
             specs[name] = GatherSpec(
+                fqn=fqns[id(param)],
                 mesh_ndim=mesh.ndim,
                 param_dtype=mp_policy.gather_dtype(param.dtype),
                 reduce_dtype=mp_policy.reduction_dtype(param.dtype),

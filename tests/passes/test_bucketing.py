@@ -11,27 +11,25 @@ from simplefsdp.models import Transformer, TransformerArgs
 from simplefsdp.passes.collectives import collective_counts
 from simplefsdp.passes.detect import find_fsdp_all_gathers, find_fsdp_reductions
 from simplefsdp.passes.fsdp_pass import BucketConfig, FsdpBucketingPass
+from simplefsdp.passes.plan import find_repeated_blocks
 from tests._graphs import capture_post_grad
 
 ARGS = TransformerArgs(vocab_size=67, dim=32, n_layers=2, n_heads=4, ffn_dim=88, max_seq_len=16)
 N_PARAMS = len(list(Transformer(ARGS).parameters()))
 
 
-def _bucketed_graphs(strategy: str, cap_bytes: int):
+def _bucketed_graphs(strategy: str, config: BucketConfig, args: TransformerArgs = ARGS):
     parsed = simplefsdp.ShardingStrategy.parse(strategy)
     mesh = init_device_mesh("cpu", (2, 4) if parsed.is_hybrid else (8,))
     torch.manual_seed(0)
-    model = simplefsdp.wrap(Transformer(ARGS), mesh, strategy=parsed)
-    tokens = torch.randint(0, ARGS.vocab_size, (2, 8))
-    graphs = capture_post_grad(
-        model, lambda compiled: compiled(tokens).sum(), before=FsdpBucketingPass(BucketConfig(cap_bytes=cap_bytes))
-    )
-    return graphs
+    model = simplefsdp.wrap(Transformer(args), mesh, strategy=parsed)
+    tokens = torch.randint(0, args.vocab_size, (2, 8))
+    return capture_post_grad(model, lambda compiled: compiled(tokens).sum(), before=FsdpBucketingPass(config))
 
 
 @pytest.mark.parametrize("strategy", ["FULL_SHARD", "HYBRID_SHARD"])
 def test_one_bucket_per_kind_when_everything_fits(fake_world8, strategy):
-    forward, backward = _bucketed_graphs(strategy, cap_bytes=2**30)
+    forward, backward = _bucketed_graphs(strategy, BucketConfig(plan="cap", cap_bytes=2**30))
     fwd, bwd = _counts(forward), _counts(backward)
     assert fwd["all_gather"] == 1
     assert bwd["all_gather"] == 1, "the re-gathers merge too"
@@ -41,12 +39,50 @@ def test_one_bucket_per_kind_when_everything_fits(fake_world8, strategy):
     assert bwd["wait"] == sum(bwd[k] for k in ("all_gather", "reduce_scatter", "all_reduce"))
 
 
+L8 = TransformerArgs(vocab_size=67, dim=32, n_layers=8, n_heads=4, ffn_dim=88, max_seq_len=16)
+
+
+@pytest.mark.parametrize("world", [8])
+def test_default_block_plan_one_bucket_per_block_plus_rest(fake_world8, world):
+    """L = 8 blocks: L + 1 all-gathers forward, L + 1 re-gathers and L + 1 reduce-scatters backward."""
+    blocks = tuple(find_repeated_blocks(Transformer(L8)))
+    forward, backward = _bucketed_graphs("FULL_SHARD", BucketConfig(blocks=blocks), L8)
+    fwd, bwd = _counts(forward), _counts(backward)
+    assert fwd["all_gather"] == L8.n_layers + 1
+    assert bwd["all_gather"] == L8.n_layers + 1
+    assert bwd["reduce_scatter"] == L8.n_layers + 1
+
+
+def test_manual_pattern_plan(fake_world8):
+    patterns = ("tok_embeddings", "layers.*", "norm+output")
+    forward, backward = _bucketed_graphs("FULL_SHARD", BucketConfig(plan="patterns", patterns=patterns), L8)
+    assert _counts(forward)["all_gather"] == 1 + L8.n_layers + 1
+    assert _counts(backward)["reduce_scatter"] == 1 + L8.n_layers + 1
+
+
+def test_collectives_carry_their_parameter_name(fake_world8):
+    mesh = init_device_mesh("cpu", (8,))
+    model = simplefsdp.wrap(Transformer(ARGS), mesh)
+    tokens = torch.randint(0, ARGS.vocab_size, (2, 8))
+    forward, backward = capture_post_grad(model, lambda compiled: compiled(tokens).sum())
+    names = [fqn for fqn, _ in Transformer(ARGS).named_parameters()]
+    assert [g.owner for g in find_fsdp_all_gathers(forward)] == names, "forward gathers in parameter order"
+    assert sorted(r.owner for r in find_fsdp_reductions(backward)) == sorted(names)
+
+
+def test_bad_bucket_config():
+    with pytest.raises(ValueError, match="unknown bucket plan 'auto'"):
+        BucketConfig(plan="auto")
+    with pytest.raises(ValueError, match="the 'patterns' bucket plan needs patterns"):
+        BucketConfig(plan="patterns")
+
+
 def _counts(graph: torch.fx.Graph):
     return collective_counts(torch.fx.GraphModule(torch.nn.Module(), graph))
 
 
 def test_tiny_cap_changes_nothing(fake_world8):
-    forward, backward = _bucketed_graphs("FULL_SHARD", cap_bytes=1)
+    forward, backward = _bucketed_graphs("FULL_SHARD", BucketConfig(plan="cap", cap_bytes=1))
     assert len(find_fsdp_all_gathers(forward)) == N_PARAMS
     assert len(find_fsdp_reductions(backward)) == N_PARAMS
 

@@ -19,6 +19,7 @@ from torch.distributed.tensor import DTensor
 import simplefsdp
 from simplefsdp.models import Transformer, TransformerArgs
 from simplefsdp.passes.fsdp_pass import BucketConfig, FsdpBucketingPass
+from simplefsdp.passes.plan import find_repeated_blocks
 from tests._graphs import post_grad_pass
 
 ARGS = TransformerArgs(vocab_size=67, dim=32, n_layers=2, n_heads=4, ffn_dim=88, max_seq_len=16)
@@ -124,23 +125,24 @@ def train_simplefsdp(
     reduce_dtype: torch.dtype | None = None,
     optimizer: str = "adamw-foreach",
     reduce_op: str = "avg",
-    bucket_cap_bytes: int | None = None,
+    bucketing: bool = False,
 ) -> Result:
     """simplefsdp on every rank of the default group; `backend` is "eager" or a torch.compile backend.
 
-    `bucket_cap_bytes`: run simplefsdp's bucketing pass (inductor only) with this cap.
+    `bucketing`: run simplefsdp's bucketing pass (inductor only) with the default plan, one
+    bucket per transformer block and one for the rest.
     """
     parsed = simplefsdp.ShardingStrategy.parse(strategy)
     model = fresh_model()
     policy = simplefsdp.MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     simplefsdp.wrap(model, _mesh(parsed), strategy=parsed, mp_policy=policy, reduce_op=reduce_op)
     step_fn = model if backend == "eager" else torch.compile(model, backend=backend)
-    if bucket_cap_bytes is None:
+    if not bucketing:
         return _train_distributed(model, step_fn, optimizer, reduce_op)
-    bucketing = FsdpBucketingPass(BucketConfig(cap_bytes=bucket_cap_bytes))
-    with post_grad_pass(bucketing):
+    graph_pass = FsdpBucketingPass(BucketConfig(blocks=tuple(find_repeated_blocks(model))))
+    with post_grad_pass(graph_pass):
         result = _train_distributed(model, step_fn, optimizer, reduce_op)
-    return dataclasses.replace(result, collectives_merged=bucketing.merged)
+    return dataclasses.replace(result, collectives_merged=graph_pass.merged)
 
 
 def train_fsdp2(strategy: str, *, param_dtype=None, reduce_dtype=None) -> Result:

@@ -125,6 +125,6 @@ def test_bucketing_pass_is_bitwise_neutral(request, strategy):
     """Merged collectives move the same bytes through the same reductions: fp32 results are identical."""
     pool = _pool(request, strategy)
     plain = pool.run(T.train_simplefsdp, strategy, "inductor")[0]
-    bucketed = pool.run(T.train_simplefsdp, strategy, "inductor", bucket_cap_bytes=2**20)[0]
+    bucketed = pool.run(T.train_simplefsdp, strategy, "inductor", bucketing=True)[0]
     assert bucketed.collectives_merged > 0, "the pass must have run and merged something"
     _assert_results_close(bucketed, plain, tol=None)
