@@ -40,53 +40,52 @@ _ALL_GATHER_INPUT_PREP = {
 }
 
 
-@dataclasses.dataclass(frozen=True)
-class FsdpAllGather:
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class _Collective:
+    collective: fx.Node
+    wait: fx.Node  # the single wait_tensor of `collective`
+    group_name: str
+    group_size: int
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """dtype of the tensor this rank sends."""
+        return self.collective.args[0].meta["val"].dtype
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes this rank sends."""
+        sent = self.collective.args[0].meta["val"]
+        return sent.numel() * sent.dtype.itemsize
+
+    @property
+    def owner(self) -> str:
+        return owner_of(self.collective)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class FsdpAllGather(_Collective):
     """An all-gather of one sharded parameter: `source` -> [prep ops] -> `collective` -> `wait`."""
 
     source: fx.Node  # the graph input holding this rank's shard
     prep: tuple[fx.Node, ...]  # cast / pad nodes from `source` to the collective's input, in order
-    collective: fx.Node
-    wait: fx.Node
-    group_name: str
-    group_size: int
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.collective.args[0].meta["val"].dtype
-
-    @property
-    def owner(self) -> str:
-        return owner_of(self.collective)
-
-    @property
-    def shard_numel(self) -> int:
-        return self.collective.args[0].meta["val"].numel()
 
 
-@dataclasses.dataclass(frozen=True)
-class FsdpReduction:
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class FsdpReduction(_Collective):
     """A gradient reduction (reduce-scatter or all-reduce) whose waited result reaches a graph output."""
 
-    collective: fx.Node
-    wait: fx.Node
     kind: str  # "reduce_scatter" or "all_reduce"
     reduce_op: str
-    group_name: str
-    group_size: int
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.collective.args[0].meta["val"].dtype
-
-    @property
-    def owner(self) -> str:
-        return owner_of(self.collective)
 
 
 def owner_of(node: fx.Node) -> str:
     """FQN of the parameter whose gather traced `node` (see `simplefsdp.gather.OWNER_KEY`); "" if unknown."""
     return node.meta.get("custom", {}).get(OWNER_KEY, "")
+
+
+def _common(node: fx.Node, wait: fx.Node, group_name: object, group_size: object) -> dict:
+    return {"collective": node, "wait": wait, "group_name": str(group_name), "group_size": int(group_size)}
 
 
 def _single_wait(node: fx.Node) -> fx.Node | None:
@@ -112,7 +111,16 @@ def find_fsdp_all_gathers(graph: fx.Graph) -> list[FsdpAllGather]:
         if source is None or wait is None:
             continue
         group_size, group_name = node.args[1], node.args[2]
-        found.append(FsdpAllGather(source, prep, node, wait, str(group_name), int(group_size)))
+        found.append(
+            FsdpAllGather(
+                collective=node,
+                wait=wait,
+                group_name=str(group_name),
+                group_size=int(group_size),
+                source=source,
+                prep=prep,
+            )
+        )
     return found
 
 
@@ -142,5 +150,5 @@ def find_fsdp_reductions(graph: fx.Graph) -> list[FsdpReduction]:
         wait = _single_wait(node)
         if wait is None or not _reaches_output(wait):
             continue
-        found.append(FsdpReduction(node, wait, kind, str(reduce_op), str(group_name), int(group_size)))
+        found.append(FsdpReduction(**_common(node, wait, group_name, group_size), kind=kind, reduce_op=str(reduce_op)))
     return found

@@ -75,16 +75,14 @@ class FsdpBucketingPass(CustomGraphPass):
         if self.config.bucket_all_gathers:
             gathers = find_fsdp_all_gathers(graph)
             cands = [
-                Candidate(
-                    i, ("all_gather", g.group_name, g.group_size, g.dtype), g.shard_numel * g.dtype.itemsize, g.owner
-                )
+                Candidate(i, ("all_gather", g.group_name, g.group_size, g.dtype), g.nbytes, g.owner)
                 for i, g in enumerate(gathers)
             ]
             removed += apply_all_gather_buckets(graph, gathers, self.config.make_plan(cands))
         if self.config.bucket_reductions:
             reductions = find_fsdp_reductions(graph)
             cands = [
-                Candidate(i, (r.kind, r.reduce_op, r.group_name, r.group_size, r.dtype), _nbytes(r), r.owner)
+                Candidate(i, (r.kind, r.reduce_op, r.group_name, r.group_size, r.dtype), r.nbytes, r.owner)
                 for i, r in enumerate(reductions)
             ]
             removed += apply_reduction_buckets(graph, reductions, self.config.make_plan(cands))
@@ -95,8 +93,3 @@ class FsdpBucketingPass(CustomGraphPass):
 
     def uuid(self) -> str:
         return hashlib.sha256(f"simplefsdp-bucketing-{_VERSION}-{self.config}".encode()).hexdigest()
-
-
-def _nbytes(reduction) -> int:
-    val = reduction.collective.args[0].meta["val"]
-    return val.numel() * val.dtype.itemsize
