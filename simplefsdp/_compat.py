@@ -1,46 +1,48 @@
 """Every private torch API simplefsdp touches, imported in this one file.
 
 A torch upgrade that moves one of these breaks this file and nothing else. Each import names the
-torch versions it was checked against (2.11 on the GPU machines, 2.13 on the CPU machines).
+torch versions it was checked against. Only 2.13 (the CPU machines) has been available so far; the GPU
+machines carry 2.11, where none of these has been run yet.
 """
 
 from __future__ import annotations
 
 # Compiler configuration and the post-grad pass hook: inductor's and functorch's config modules
 # (scoped `.patch(...)` only, never assigned globally) and the `CustomGraphPass` base class whose
-# `uuid()` keys the FX graph cache. Checked on 2.11 and 2.13.
+# `uuid()` keys the FX graph cache. Checked on 2.13.
 import torch._functorch.config as functorch_config
 import torch._inductor.config as inductor_config
 
 # aot_autograd backend factory and inductor's partitioner, used to capture the forward/backward
 # graphs torch.compile produces (graph inspection and graph-structure tests).
-# torch._dynamo.backends.common.aot_autograd: checked on 2.11 and 2.13.
+# torch._dynamo.backends.common.aot_autograd: checked on 2.13.
 from torch._dynamo.backends.common import aot_autograd
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
 # Re-sort a graph after inserting nodes, keeping the existing order where dependencies allow.
-# torch._inductor.pattern_matcher.stable_topological_sort: checked on 2.11 and 2.13.
+# torch._inductor.pattern_matcher.stable_topological_sort: checked on 2.13.
 from torch._inductor.pattern_matcher import stable_topological_sort
 
 # OpOverload / OpOverloadPacket: the types of `torch.ops.<ns>.<op>[.overload]`, to recognise FX targets.
-# torch._ops: checked on 2.11 and 2.13.
+# torch._ops: checked on 2.13.
 from torch._ops import OpOverload, OpOverloadPacket
 
-# Fake tensors, for filling `meta["val"]` of nodes a pass adds. torch._subclasses: checked on 2.11 and 2.13.
+# Fake tensors, for filling `meta["val"]` of nodes a pass adds. torch._subclasses: checked on 2.13.
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-# Look up a process group by the name functional collectives carry in the graph. Checked on 2.11 and 2.13.
+# Look up a process group by the name functional collectives carry in the graph. Checked on 2.13.
 from torch.distributed.distributed_c10d import _resolve_process_group as resolve_process_group
 
 # torch.utils._pytree: tree_map over (args, kwargs) for the mixed-precision input cast, leaves of FX args.
-# Stable since 2.0; checked on 2.11 and 2.13.
+# Stable since 2.0; checked on 2.13.
 from torch.utils._pytree import tree_leaves, tree_map_only
 
 
 # [Note: per-rank AOTAutograd cache keys for DTensor inputs]
-# torch 2.11-2.13 key the AOTAutograd cache entry of a DTensor input by `DTensor._stable_hash_for_caching`,
-# which hashes the DTensorSpec (mesh, placements, *global* shape) only (pytorch/pytorch#188390). Ranks
+# torch 2.13 (and, per the torch issue, earlier releases) keys the AOTAutograd cache entry of a DTensor
+# input by `DTensor._stable_hash_for_caching`, which hashes the DTensorSpec (mesh, placements,
+# *global* shape) only (pytorch/pytorch#188390). Ranks
 # that share a cache directory (every rank of a node does by default) then share entries although
 # their traced graphs differ: an uneven shard has a rank-dependent local shape, and on a 2-D mesh the
 # process-group names baked into the graph differ by rank. Seen here: on a warm cache one rank loaded
@@ -85,7 +87,7 @@ def install_rank_aware_dtensor_cache_keys() -> None:
 def fake_store():
     """A `FakeStore` for the "fake" process-group backend: one process traces any world size.
 
-    torch.testing._internal.distributed.fake_pg: checked on 2.11 and 2.13. Importing it registers
+    torch.testing._internal.distributed.fake_pg: checked on 2.13. Importing it registers
     the "fake" backend with torch.distributed, so it is imported lazily, only when asked for.
     """
     from torch.testing._internal.distributed.fake_pg import FakeStore
