@@ -1,10 +1,7 @@
-"""The post-grad pass that buckets FSDP collectives: detect -> plan -> apply, as an inductor `CustomGraphPass`.
+"""simplefsdp's post-grad pass: detect -> plan -> bucket -> reorder, as an inductor `CustomGraphPass`.
 
-Installation is explicit for now: put `FsdpBucketingPass(...)` in
-`torch._inductor.config.patch(post_grad_custom_post_pass=...)` around the compile (and lower the
-backward eagerly with `torch._functorch.config.patch(force_non_lazy_backward_lowering=True)` so the
-backward is compiled inside the patch too). Running it from a plain `torch.compile(model)` is the
-open part of the passes issue.
+`simplefsdp.wrap()` installs one `FsdpPass` per wrapped model for the compiles of that model
+(see `install.py`); `PassConfig` is what a user picks (`wrap(model, passes=PassConfig(...))`).
 """
 
 from __future__ import annotations
@@ -17,15 +14,25 @@ from typing import Literal
 from torch import fx
 
 from simplefsdp._compat import CustomGraphPass
+from simplefsdp.passes import cost
 from simplefsdp.passes.bucket import apply_all_gather_buckets, apply_reduction_buckets
 from simplefsdp.passes.detect import find_fsdp_all_gathers, find_fsdp_reductions
-from simplefsdp.passes.plan import Bucket, Candidate, check_plan, plan_by_blocks, plan_by_cap, plan_by_patterns
+from simplefsdp.passes.plan import (
+    Bucket,
+    Candidate,
+    check_plan,
+    plan_by_blocks,
+    plan_by_cap,
+    plan_by_cost,
+    plan_by_patterns,
+)
+from simplefsdp.passes.reorder import ReorderConfig, reorder_all_gathers, reorder_reductions
 
-__all__ = ["BucketConfig", "FsdpBucketingPass"]
+__all__ = ["BucketConfig", "FsdpPass", "PassConfig"]
 
 logger = logging.getLogger(__name__)
 
-_VERSION = "1"  # bump when the pass's output changes for the same input graph (keys the compile cache)
+_VERSION = "2"  # bump when the pass's output changes for the same input graph (keys the compile cache)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -35,61 +42,138 @@ class BucketConfig:
     - `"blocks"` (default): one bucket per repeated block in `blocks` (e.g. from
       `find_repeated_blocks(model)`), one for the other parameters;
     - `"patterns"`: one bucket per module-FQN pattern in `patterns`;
-    - `"cap"`: graph order, at most `cap_bytes` per bucket.
-    Collectives on different process groups or in different dtypes never share a bucket.
+    - `"cap"`: graph order, at most `cap_bytes` per bucket;
+    - `"auto"`: the cost model of `cost.py` for the device profile `device` picks the buckets
+      (`plan_by_cost`), at most `cap_bytes` per bucket.
+    `cap_bytes` counts the bytes one rank sends. Collectives on different process groups or in
+    different dtypes never share a bucket (mixed dtypes split by dtype rather than travel as bytes:
+    a bf16 and an fp32 bucket keep each collective's reduction in its own dtype).
     """
 
-    plan: Literal["blocks", "patterns", "cap"] = "blocks"
+    plan: Literal["blocks", "patterns", "cap", "auto"] = "blocks"
     blocks: tuple[str, ...] = ()
     patterns: tuple[str, ...] = ()
     cap_bytes: int = 64 * 2**20
+    device: str = "h100"
     bucket_all_gathers: bool = True
     bucket_reductions: bool = True
 
     def __post_init__(self) -> None:
-        if self.plan not in ("blocks", "patterns", "cap"):
-            raise ValueError(f"unknown bucket plan {self.plan!r}; expected 'blocks', 'patterns' or 'cap'")
+        if self.plan not in ("blocks", "patterns", "cap", "auto"):
+            raise ValueError(f"unknown bucket plan {self.plan!r}; expected 'blocks', 'patterns', 'cap' or 'auto'")
         if self.plan == "patterns" and not self.patterns:
             raise ValueError("the 'patterns' bucket plan needs patterns=(...), e.g. ('tok_embeddings', 'layers.*')")
+        if self.cap_bytes <= 0:
+            raise ValueError(f"cap_bytes must be positive, got {self.cap_bytes}")
+        cost.profile(self.device)  # an unknown profile name fails here, naming the known ones
 
-    def make_plan(self, candidates: list[Candidate]) -> list[Bucket]:
+    def make_plan(self, candidates: list[Candidate], *, compute_s: list[float]) -> list[Bucket]:
+        """`compute_s[i]`: seconds of compute overlapping candidate `i`'s collective (for `"auto"`)."""
         if self.plan == "blocks":
             buckets = plan_by_blocks(candidates, blocks=self.blocks)
         elif self.plan == "patterns":
             buckets = plan_by_patterns(candidates, patterns=self.patterns)
-        else:
+        elif self.plan == "cap":
             buckets = plan_by_cap(candidates, cap_bytes=self.cap_bytes)
+        else:
+            device = cost.profile(self.device)
+
+            def comm_s(key: tuple, nbytes: int) -> float:
+                kind, world = key[0], key[-2]  # keys end with (..., group_size, dtype), see FsdpPass
+                full = nbytes * world if kind == "all_gather" else nbytes
+                return cost.collective_seconds(device, kind=kind, nbytes=full, world=world)
+
+            buckets = plan_by_cost(candidates, compute_s=compute_s, comm_s=comm_s, cap_bytes=self.cap_bytes)
         check_plan(candidates, buckets)
         return buckets
 
 
-class FsdpBucketingPass(CustomGraphPass):
-    """Merges FSDP all-gathers and gradient reductions per `BucketConfig`; a no-op on graphs without them."""
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PassConfig:
+    """What simplefsdp's pass does to a wrapped model's compiled graphs.
 
-    def __init__(self, config: BucketConfig | None = None) -> None:
-        self.config = config or BucketConfig()
-        self.merged = 0  # collectives merged away so far, over every graph this instance ran on
+    `bucket=None` turns bucketing off, `reorder=None` reordering; `wrap(model, passes=None)` turns
+    the whole pass off (the graphs are then what torch traced: one collective per parameter,
+    launched right before use).
+    """
+
+    bucket: BucketConfig | None = BucketConfig()
+    reorder: ReorderConfig | None = ReorderConfig()
+
+
+class FsdpPass(CustomGraphPass):
+    """Buckets and reorders FSDP all-gathers and gradient reductions per `PassConfig`.
+
+    A graph without FSDP collectives comes back unchanged. `graphs`, `merged` and `moved` count,
+    over every graph this instance ran on, the graphs, the collectives merged away and the
+    launches / waits moved (a compile-cache hit runs no pass and counts nothing).
+    """
+
+    def __init__(self, config: PassConfig | None = None) -> None:
+        self.config = config or PassConfig()
+        self.graphs = 0
+        self.merged = 0
+        self.moved = 0
 
     def __call__(self, graph: fx.Graph) -> None:
-        removed = 0
-        if self.config.bucket_all_gathers:
-            gathers = find_fsdp_all_gathers(graph)
-            cands = [
-                Candidate(i, ("all_gather", g.group_name, g.group_size, g.dtype), g.nbytes, g.owner)
-                for i, g in enumerate(gathers)
-            ]
-            removed += apply_all_gather_buckets(graph, gathers, self.config.make_plan(cands))
-        if self.config.bucket_reductions:
-            reductions = find_fsdp_reductions(graph)
-            cands = [
-                Candidate(i, (r.kind, r.reduce_op, r.group_name, r.group_size, r.dtype), r.nbytes, r.owner)
-                for i, r in enumerate(reductions)
-            ]
-            removed += apply_reduction_buckets(graph, reductions, self.config.make_plan(cands))
-        self.merged += removed
-        if removed:
+        self.graphs += 1
+        merged = _bucket(graph, self.config.bucket) if self.config.bucket is not None else 0
+        moved = 0
+        if self.config.reorder is not None:
+            moved = reorder_all_gathers(graph, config=self.config.reorder)
+            moved += reorder_reductions(graph, config=self.config.reorder)
+        self.merged += merged
+        self.moved += moved
+        if merged or moved:
             graph.lint()
-            logger.info("simplefsdp bucketing: merged away %d collectives", removed)
+            logger.info("simplefsdp pass: merged away %d collectives, moved %d launches / waits", merged, moved)
 
     def uuid(self) -> str:
-        return hashlib.sha256(f"simplefsdp-bucketing-{_VERSION}-{self.config}".encode()).hexdigest()
+        return hashlib.sha256(f"simplefsdp-pass-{_VERSION}-{self.config}".encode()).hexdigest()
+
+
+def _bucket(graph: fx.Graph, config: BucketConfig) -> int:
+    removed = 0
+    if config.bucket_all_gathers:
+        gathers = find_fsdp_all_gathers(graph)
+        cands = [
+            Candidate(i, ("all_gather", g.group_name, g.group_size, g.dtype), g.nbytes, g.owner)
+            for i, g in enumerate(gathers)
+        ]
+        compute = _compute_windows(graph, [g.collective for g in gathers], config, after=True)
+        removed += apply_all_gather_buckets(graph, gathers, config.make_plan(cands, compute_s=compute))
+    if config.bucket_reductions:
+        reductions = find_fsdp_reductions(graph)
+        cands = [
+            Candidate(i, (r.kind, r.reduce_op, r.group_name, r.group_size, r.dtype), r.nbytes, r.owner)
+            for i, r in enumerate(reductions)
+        ]
+        compute = _compute_windows(graph, [r.collective for r in reductions], config, after=False)
+        if config.plan == "auto":  # a reduction overlaps the compute that *follows* it: plan in reverse
+            reverse = [dataclasses.replace(c, index=len(cands) - 1 - c.index) for c in reversed(cands)]
+            plan = config.make_plan(reverse, compute_s=compute[::-1])
+            plan = [Bucket(tuple(sorted(len(cands) - 1 - i for i in b.members))) for b in plan]
+            plan = sorted(plan, key=lambda b: b.members[0])
+            check_plan(cands, plan)
+        else:
+            plan = config.make_plan(cands, compute_s=compute)
+        removed += apply_reduction_buckets(graph, reductions, plan)
+    return removed
+
+
+def _compute_windows(graph: fx.Graph, collectives: list[fx.Node], config: BucketConfig, *, after: bool) -> list[float]:
+    """Roofline seconds of the compute between consecutive `collectives` (graph order): for each,
+    the stretch up to the next one (`after`) or since the previous one. Zeros unless the plan is auto."""
+    if config.plan != "auto" or not collectives:
+        return [0.0] * len(collectives)
+    device = cost.profile(config.device)
+    marks = set(collectives)
+    windows, current = [], 0.0
+    for node in graph.nodes:
+        if node in marks:
+            windows.append(current)
+            current = 0.0
+        else:
+            current += cost.node_seconds(device, node)
+    windows.append(current)  # windows[i]: before collective i; windows[-1]: after the last
+    return windows[1:] if after else windows[:-1]

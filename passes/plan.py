@@ -9,7 +9,9 @@ order). Three ways to plan:
 - `plan_by_patterns` (manual): one bucket per entry of a list of module-FQN patterns, e.g.
   `["tok_embeddings", "layers.*", "norm+output"]` (`*` matches within one FQN level per block, `+`
   joins alternatives into one bucket);
-- `plan_by_cap` (size-driven): candidates in graph order, per merge key, up to a byte cap.
+- `plan_by_cap` (size-driven): candidates in graph order, per merge key, up to a byte cap;
+- `plan_by_cost` (auto): contiguous runs per merge key chosen by dynamic programming to minimise
+  the communication a cost model (`cost.py`) says is left exposed, under a byte cap.
 
 Invariants of every plan (checked by `check_plan`, and by hypothesis in the tests):
 - it partitions the candidates: each is in exactly one bucket;
@@ -23,7 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 
 from torch import nn
 
@@ -34,6 +36,7 @@ __all__ = [
     "find_repeated_blocks",
     "plan_by_blocks",
     "plan_by_cap",
+    "plan_by_cost",
     "plan_by_patterns",
     "validate_patterns",
 ]
@@ -149,6 +152,81 @@ def plan_by_cap(candidates: Sequence[Candidate], *, cap_bytes: int) -> list[Buck
             open_bucket[cand.key] = [cand]
             buckets.append(open_bucket[cand.key])
     return _ordered([Bucket(tuple(c.index for c in bucket)) for bucket in buckets])
+
+
+_MAX_BUCKET_LEN = 64  # bounds the dynamic program's work at O(n * 64^2) per merge key
+
+
+def plan_by_cost(
+    candidates: Sequence[Candidate],
+    *,
+    compute_s: Sequence[float],
+    comm_s: Callable[[Hashable, int], float],
+    cap_bytes: int,
+) -> list[Bucket]:
+    """Buckets that minimise exposed communication when bucket k's collective overlaps bucket
+    k - 1's compute (prefetch depth 1; pass reduce-scatters in reverse launch order so that "k - 1"
+    is the bucket whose compute follows).
+
+    `compute_s[i]` is the compute attributed to candidate `i` (list position, graph order);
+    `comm_s(key, nbytes)` the seconds of one collective of that key moving `nbytes`. Per merge key,
+    over that key's candidates in order, a bucket `[s, e)` costs
+    `max(0, comm_s(bytes[s:e]) - compute[p:s])` where `[p, s)` is the bucket before it (the first
+    bucket overlaps nothing), plus a tiny charge per bucket so ties prefer fewer collectives.
+    Buckets stay within `cap_bytes` (a single oversize candidate gets its own) and hold at most 64
+    members. Deterministic: it reads only its arguments.
+    """
+    if cap_bytes <= 0:
+        raise ValueError(f"cap_bytes must be positive, got {cap_bytes}")
+    if len(compute_s) != len(candidates):
+        raise ValueError(f"compute_s has {len(compute_s)} entries for {len(candidates)} candidates")
+    ordered = sorted(range(len(candidates)), key=lambda i: candidates[i].index)
+    by_key: dict[Hashable, list[int]] = {}
+    for i in ordered:
+        by_key.setdefault(candidates[i].key, []).append(i)
+    buckets = []
+    for key, positions in by_key.items():
+        sizes = [candidates[i].nbytes for i in positions]
+        compute = [compute_s[i] for i in positions]
+        for s, e in _best_runs(sizes, compute, lambda n, key=key: comm_s(key, n), cap_bytes):
+            buckets.append(Bucket(tuple(candidates[i].index for i in positions[s:e])))
+    return _ordered(buckets)
+
+
+def _best_runs(sizes: list[int], compute: list[float], comm: Callable[[int], float], cap: int) -> list[tuple[int, int]]:
+    """Dynamic program of `plan_by_cost` over one key's candidates: the runs `[s, e)` it picks."""
+    n, tie = len(sizes), 1e-12
+    prefix_bytes, prefix_compute = [0], [0.0]
+    for size, seconds in zip(sizes, compute, strict=True):
+        prefix_bytes.append(prefix_bytes[-1] + size)
+        prefix_compute.append(prefix_compute[-1] + seconds)
+
+    def fits(s: int, e: int) -> bool:
+        return e - s == 1 or (e - s <= _MAX_BUCKET_LEN and prefix_bytes[e] - prefix_bytes[s] <= cap)
+
+    # best[(s, e)]: least cost of covering [0, e) with last bucket [s, e); parent[(s, e)]: the bucket before
+    best: dict[tuple[int, int], float] = {}
+    parent: dict[tuple[int, int], tuple[int, int] | None] = {}
+    for e in range(1, n + 1):
+        for s in range(max(0, e - _MAX_BUCKET_LEN), e):
+            if not fits(s, e):
+                continue
+            comm_here = comm(prefix_bytes[e] - prefix_bytes[s])
+            if s == 0:
+                best[(s, e)], parent[(s, e)] = comm_here + tie, None
+                continue
+            options = [
+                (best[(p, s)] + max(0.0, comm_here - (prefix_compute[s] - prefix_compute[p])) + tie, (p, s))
+                for p in range(max(0, s - _MAX_BUCKET_LEN), s)
+                if (p, s) in best
+            ]
+            best[(s, e)], parent[(s, e)] = min(options)
+    last = min((cost, run) for run, cost in best.items() if run[1] == n)[1] if n else None
+    runs = []
+    while last is not None:
+        runs.append(last)
+        last = parent[last]
+    return runs[::-1]
 
 
 def check_plan(candidates: Sequence[Candidate], buckets: Sequence[Bucket]) -> None:

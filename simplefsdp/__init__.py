@@ -6,7 +6,18 @@ model = torch.compile(model)           # all-gathers / reduce-scatters are trace
 
 from simplefsdp.mixed_precision import MixedPrecisionPolicy
 from simplefsdp.parametrize import sharded_parameters
+from simplefsdp.passes import aot_eager as _register_aot_eager_backend  # noqa: F401  (registers the backend)
+from simplefsdp.passes.fsdp_pass import BucketConfig, PassConfig
+from simplefsdp.passes.reorder import ReorderConfig
 from simplefsdp.strategy import ShardingStrategy
 from simplefsdp.wrap import wrap
 
-__all__ = ["MixedPrecisionPolicy", "ShardingStrategy", "sharded_parameters", "wrap"]
+__all__ = [
+    "BucketConfig",
+    "MixedPrecisionPolicy",
+    "PassConfig",
+    "ReorderConfig",
+    "ShardingStrategy",
+    "sharded_parameters",
+    "wrap",
+]

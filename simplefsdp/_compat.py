@@ -17,12 +17,28 @@ import torch._inductor.config as inductor_config
 # graphs torch.compile produces (graph inspection and graph-structure tests).
 # torch._dynamo.backends.common.aot_autograd: checked on 2.13.
 from torch._dynamo.backends.common import aot_autograd
+
+# Register a named torch.compile backend ("simplefsdp_aot_eager"). torch._dynamo.register_backend:
+# checked on 2.13.
+from torch._dynamo.backends.registry import register_backend
+
+# Wrap a function so that Dynamo, meeting it as the top frame, runs it eagerly and compiles what it
+# calls -- the mechanism behind `torch.compiler.disable(recursive=False)` -- yet, unlike that,
+# traces straight through it when it is called from a frame being compiled (no graph break). How a
+# wrapped model's forward sets the compile config around its own compilation (passes/install.py).
+# Unlike `skip_code`, it survives `torch.compiler.reset()`.
+# torch._dynamo.external_utils.get_nonrecursive_disable_wrapper: checked on 2.13.
+from torch._dynamo.external_utils import get_nonrecursive_disable_wrapper as eager_top_frame
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
 # Re-sort a graph after inserting nodes, keeping the existing order where dependencies allow.
 # torch._inductor.pattern_matcher.stable_topological_sort: checked on 2.13.
 from torch._inductor.pattern_matcher import stable_topological_sort
+
+# The Python source inductor generates for a compiled call (to check what order survives lowering).
+# torch._inductor.utils.run_and_get_code: checked on 2.13.
+from torch._inductor.utils import run_and_get_code
 
 # OpOverload / OpOverloadPacket: the types of `torch.ops.<ns>.<op>[.overload]`, to recognise FX targets.
 # torch._ops: checked on 2.13.
@@ -103,12 +119,15 @@ __all__ = [
     "OpOverload",
     "OpOverloadPacket",
     "aot_autograd",
+    "eager_top_frame",
     "fake_store",
     "functorch_config",
     "inductor_config",
     "install_rank_aware_dtensor_cache_keys",
     "min_cut_rematerialization_partition",
+    "register_backend",
     "resolve_process_group",
+    "run_and_get_code",
     "stable_topological_sort",
     "tree_leaves",
     "tree_map_only",

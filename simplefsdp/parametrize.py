@@ -71,13 +71,13 @@ def sharded_parameters(model: nn.Module) -> Iterator[nn.Module]:
     For initialization (`nn.init.*_` and `reset_parameters()` act on the shards) and inspection.
     Nothing is gathered inside the block. The classes are restored on exit, also on error.
     """
-    swapped = [m for m in model.modules() if is_wrapped_module(m)]
+    swapped = {m: type(m) for m in model.modules() if is_wrapped_module(m)}
     if not swapped:
         raise ValueError(f"{type(model).__name__} is not wrapped by simplefsdp.wrap(): it has no sharded parameters")
-    for module in swapped:
-        module.__class__ = getattr(type(module), _ORIGINAL_CLASS_ATTR)
+    for module, cls in swapped.items():
+        module.__class__ = getattr(cls, _ORIGINAL_CLASS_ATTR)
     try:
         yield model
     finally:
-        for module in swapped:
-            module.__class__ = _sharded_class(type(module), tuple(sorted(getattr(module, _SPECS_ATTR))))
+        for module, cls in swapped.items():  # the exact class each had (the root's also runs the passes)
+            module.__class__ = cls

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 from torch import nn
@@ -13,6 +14,9 @@ from simplefsdp.gather import GatherSpec, ReduceOp
 from simplefsdp.mesh import resolve_mesh
 from simplefsdp.mixed_precision import MixedPrecisionPolicy
 from simplefsdp.parametrize import install, is_wrapped_module
+from simplefsdp.passes import install as passes_install
+from simplefsdp.passes.fsdp_pass import FsdpPass, PassConfig
+from simplefsdp.passes.plan import find_repeated_blocks, validate_patterns
 from simplefsdp.strategy import ShardingStrategy
 
 __all__ = ["wrap"]
@@ -68,6 +72,18 @@ def _shard(param: nn.Parameter, mesh: DeviceMesh, strategy: ShardingStrategy) ->
     return sharded
 
 
+def _make_pass(model: nn.Module, passes: PassConfig | None) -> FsdpPass | None:
+    """The model's pass; the default block plan gets its blocks from the model's structure."""
+    if passes is None:
+        return None
+    bucket = passes.bucket
+    if bucket is not None and bucket.plan == "blocks" and not bucket.blocks:
+        bucket = dataclasses.replace(bucket, blocks=tuple(find_repeated_blocks(model)))
+    if bucket is not None and bucket.plan == "patterns":
+        validate_patterns(bucket.patterns, model)
+    return FsdpPass(dataclasses.replace(passes, bucket=bucket))
+
+
 def wrap(
     model: nn.Module,
     mesh: DeviceMesh | None = None,
@@ -76,6 +92,7 @@ def wrap(
     mp_policy: MixedPrecisionPolicy | None = None,
     reshard_after_forward: bool | None = None,
     reduce_op: ReduceOp = "avg",
+    passes: PassConfig | None = PassConfig(),
 ) -> nn.Module:
     """Shard `model`'s floating-point parameters over `mesh`, in place, and return `model`.
 
@@ -87,6 +104,8 @@ def wrap(
         mp_policy: mixed precision; `None` computes and reduces in the parameters' own dtype.
         reshard_after_forward: overrides the strategy's default (True for FULL_SHARD / HYBRID_SHARD).
         reduce_op: `"avg"` (default, what DDP and FSDP2 do) or `"sum"` over the data-parallel ranks.
+        passes: what `torch.compile(model)` does to the collectives (bucketing, reordering; see
+            `simplefsdp.passes`); the default buckets per repeated block, `None` turns the passes off.
 
     After the call, for every floating-point parameter: `named_parameters()` and `state_dict()`
     yield it under its original name as an `nn.Parameter` holding a DTensor with the strategy's
@@ -103,6 +122,8 @@ def wrap(
         mp_policy = MixedPrecisionPolicy()
     if not isinstance(mp_policy, MixedPrecisionPolicy):
         raise TypeError(f"mp_policy must be a simplefsdp.MixedPrecisionPolicy, got {type(mp_policy).__name__}")
+    if passes is not None and not isinstance(passes, PassConfig):
+        raise TypeError(f"passes must be a simplefsdp.PassConfig or None, got {type(passes).__name__}")
     params = _floating_params(model)
     _check_wrappable(model, params)
     mesh = resolve_mesh(mesh, strategy=strategy, device_type=_device_type(params))
@@ -131,6 +152,7 @@ def wrap(
         if specs:
             install(module, specs)
     mp_policy.install_casts(model)
+    passes_install.install(model, _make_pass(model, passes))
     install_rank_aware_dtensor_cache_keys()
     setattr(model, _ROOT_ATTR, True)
 

@@ -10,7 +10,8 @@ import simplefsdp
 from simplefsdp.models import Transformer, TransformerArgs
 from simplefsdp.passes.collectives import collective_counts
 from simplefsdp.passes.detect import find_fsdp_all_gathers, find_fsdp_reductions
-from simplefsdp.passes.fsdp_pass import BucketConfig, FsdpBucketingPass
+from simplefsdp.passes.fsdp_pass import BucketConfig, FsdpPass, PassConfig
+from simplefsdp.passes.install import pass_of
 from simplefsdp.passes.plan import find_repeated_blocks
 from tests._graphs import capture_post_grad
 
@@ -22,9 +23,9 @@ def _bucketed_graphs(strategy: str, config: BucketConfig, args: TransformerArgs 
     parsed = simplefsdp.ShardingStrategy.parse(strategy)
     mesh = init_device_mesh("cpu", (2, 4) if parsed.is_hybrid else (8,))
     torch.manual_seed(0)
-    model = simplefsdp.wrap(Transformer(args), mesh, strategy=parsed)
+    model = simplefsdp.wrap(Transformer(args), mesh, strategy=parsed, passes=None)  # the pass under test runs instead
     tokens = torch.randint(0, args.vocab_size, (2, 8))
-    return capture_post_grad(model, lambda compiled: compiled(tokens).sum(), before=FsdpBucketingPass(config))
+    return capture_post_grad(model, lambda compiled: compiled(tokens).sum(), before=FsdpPass(PassConfig(bucket=config)))
 
 
 @pytest.mark.parametrize("strategy", ["FULL_SHARD", "HYBRID_SHARD"])
@@ -62,7 +63,7 @@ def test_manual_pattern_plan(fake_world8):
 
 def test_collectives_carry_their_parameter_name(fake_world8):
     mesh = init_device_mesh("cpu", (8,))
-    model = simplefsdp.wrap(Transformer(ARGS), mesh)
+    model = simplefsdp.wrap(Transformer(ARGS), mesh, passes=None)
     tokens = torch.randint(0, ARGS.vocab_size, (2, 8))
     forward, backward = capture_post_grad(model, lambda compiled: compiled(tokens).sum())
     names = [fqn for fqn, _ in Transformer(ARGS).named_parameters()]
@@ -71,8 +72,8 @@ def test_collectives_carry_their_parameter_name(fake_world8):
 
 
 def test_bad_bucket_config():
-    with pytest.raises(ValueError, match="unknown bucket plan 'auto'"):
-        BucketConfig(plan="auto")
+    with pytest.raises(ValueError, match="unknown bucket plan 'fancy'"):
+        BucketConfig(plan="fancy")
     with pytest.raises(ValueError, match="the 'patterns' bucket plan needs patterns"):
         BucketConfig(plan="patterns")
 
@@ -110,3 +111,27 @@ def test_dependent_reductions_are_not_merged():
     assert not independent(reductions)
     assert apply_reduction_buckets(g, reductions, [Bucket((0, 1))]) == 0
     assert [n.target for n in g.nodes if n.op == "call_function"].count(c10d.reduce_scatter_tensor.default) == 2
+
+
+def test_passes_off_leave_one_collective_per_parameter(fake_world8):
+    mesh = init_device_mesh("cpu", (8,))
+    model = simplefsdp.wrap(Transformer(ARGS), mesh, passes=None)
+    tokens = torch.randint(0, ARGS.vocab_size, (2, 8))
+    forward, backward = capture_post_grad(model, lambda compiled: compiled(tokens).sum())
+    assert pass_of(model) is None
+    assert _counts(forward)["all_gather"] == N_PARAMS
+    assert _counts(backward)["reduce_scatter"] == N_PARAMS
+
+
+def test_auto_plan_on_a_real_graph_is_valid_and_deterministic(fake_world8):
+    """The cost-model plan on L = 8 blocks: between one and one-per-parameter all-gathers, the same twice."""
+    config = BucketConfig(plan="auto", device="h100")
+    counts = []
+    for _ in range(2):
+        torch.compiler.reset()
+        forward, backward = _bucketed_graphs("FULL_SHARD", config, L8)
+        counts.append((_counts(forward)["all_gather"], _counts(backward)["reduce_scatter"]))
+    assert counts[0] == counts[1]
+    n_params = len(list(Transformer(L8).parameters()))
+    assert 1 <= counts[0][0] < n_params
+    assert 1 <= counts[0][1] < n_params

@@ -21,7 +21,7 @@ def _post_grad(strategy: str, mp_policy=None):
     parsed = simplefsdp.ShardingStrategy.parse(strategy)
     mesh = init_device_mesh("cpu", (2, 4) if parsed.is_hybrid else (8,))
     torch.manual_seed(0)
-    model = simplefsdp.wrap(Transformer(ARGS), mesh, strategy=parsed, mp_policy=mp_policy)
+    model = simplefsdp.wrap(Transformer(ARGS), mesh, strategy=parsed, mp_policy=mp_policy, passes=None)
     tokens = torch.randint(0, ARGS.vocab_size, (2, 8))
     forward, backward = capture_post_grad(model, lambda compiled: compiled(tokens).float().sum())
     return forward, backward

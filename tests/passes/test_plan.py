@@ -13,6 +13,7 @@ from simplefsdp.passes.plan import (
     find_repeated_blocks,
     plan_by_blocks,
     plan_by_cap,
+    plan_by_cost,
     plan_by_patterns,
     validate_patterns,
 )
@@ -107,3 +108,44 @@ def test_bad_cap_and_unmatched_pattern():
     validate_patterns(["tok_embeddings", "layers.*", "norm+output"], model)
     with pytest.raises(ValueError, match=r"bucket patterns \['decoder\.\*'\] match no parameter of Transformer"):
         validate_patterns(["layers.*", "decoder.*"], model)
+
+
+def _latency_bandwidth(alpha: float, per_byte: float):
+    return lambda key, nbytes: alpha + per_byte * nbytes
+
+
+@settings(max_examples=150, deadline=None)
+@given(candidates=candidate_lists(), cap=st.integers(1, 6000), data=st.data())
+def test_cost_plan_invariants(candidates, cap, data):
+    compute = [data.draw(st.floats(0, 1e-3)) for _ in candidates]
+    comm = _latency_bandwidth(alpha=data.draw(st.floats(0, 1e-4)), per_byte=data.draw(st.floats(0, 1e-6)))
+    buckets = plan_by_cost(candidates, compute_s=compute, comm_s=comm, cap_bytes=cap)
+    check_plan(candidates, buckets)
+    sizes = {c.index: c.nbytes for c in candidates}
+    for bucket in buckets:
+        assert sum(sizes[i] for i in bucket.members) <= cap or len(bucket.members) == 1
+    assert buckets == plan_by_cost(candidates, compute_s=compute, comm_s=comm, cap_bytes=cap), "deterministic"
+
+
+def _same_key(n: int, nbytes: int = 1000) -> list[Candidate]:
+    return [Candidate(index=i, key="k", nbytes=nbytes) for i in range(n)]
+
+
+def test_cost_plan_merges_everything_when_latency_dominates():
+    """No compute to hide behind: every extra collective only adds latency, so one bucket."""
+    buckets = plan_by_cost(_same_key(6), compute_s=[0.0] * 6, comm_s=_latency_bandwidth(1e-3, 1e-9), cap_bytes=10**9)
+    assert [b.members for b in buckets] == [(0, 1, 2, 3, 4, 5)]
+
+
+def test_cost_plan_splits_when_compute_hides_the_next_bucket():
+    """Plenty of compute per candidate, bandwidth-bound transfers: a small first bucket (exposed), then
+    buckets whose transfer hides behind the previous bucket's compute -- less exposed than one big one."""
+    comm = _latency_bandwidth(1e-6, 1e-6)  # 1000 bytes -> ~1 ms
+    buckets = plan_by_cost(_same_key(6), compute_s=[5e-3] * 6, comm_s=comm, cap_bytes=10**9)
+    assert len(buckets) > 1
+    assert buckets[0].members == (0,), "the first bucket is exposed: keep it small"
+
+
+def test_cost_plan_respects_the_cap():
+    buckets = plan_by_cost(_same_key(6), compute_s=[0.0] * 6, comm_s=_latency_bandwidth(1e-3, 0), cap_bytes=2000)
+    assert [b.members for b in buckets] == [(0, 1), (2, 3), (4, 5)]

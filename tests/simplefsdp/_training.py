@@ -17,10 +17,9 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 
 import simplefsdp
+from simplefsdp._compat import functorch_config, inductor_config
 from simplefsdp.models import Transformer, TransformerArgs
-from simplefsdp.passes.fsdp_pass import BucketConfig, FsdpBucketingPass
-from simplefsdp.passes.plan import find_repeated_blocks
-from tests._graphs import post_grad_pass
+from simplefsdp.passes.install import pass_of
 
 ARGS = TransformerArgs(vocab_size=67, dim=32, n_layers=2, n_heads=4, ffn_dim=88, max_seq_len=16)
 STEPS = 5
@@ -34,7 +33,8 @@ class Result:
     losses: list[float]
     params: dict[str, torch.Tensor]
     grad_dtypes: frozenset[torch.dtype] = frozenset()
-    collectives_merged: int = 0
+    collectives_merged: int = 0  # by simplefsdp's pass, over every graph compiled
+    collectives_moved: int = 0
 
 
 def batches(steps: int = STEPS) -> list[torch.Tensor]:
@@ -125,24 +125,26 @@ def train_simplefsdp(
     reduce_dtype: torch.dtype | None = None,
     optimizer: str = "adamw-foreach",
     reduce_op: str = "avg",
-    bucketing: bool = False,
+    passes: simplefsdp.PassConfig | None = simplefsdp.PassConfig(),
+    compile_caches: bool = True,
 ) -> Result:
     """simplefsdp on every rank of the default group; `backend` is "eager" or a torch.compile backend.
 
-    `bucketing`: run simplefsdp's bucketing pass (inductor only) with the default plan, one
-    bucket per transformer block and one for the rest.
+    `passes` goes to `wrap()`: the default buckets per block and reorders; None turns the pass off.
+    `compile_caches=False` compiles from scratch, so the pass really runs (and counts what it did).
     """
     parsed = simplefsdp.ShardingStrategy.parse(strategy)
     model = fresh_model()
     policy = simplefsdp.MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
-    simplefsdp.wrap(model, _mesh(parsed), strategy=parsed, mp_policy=policy, reduce_op=reduce_op)
+    simplefsdp.wrap(model, _mesh(parsed), strategy=parsed, mp_policy=policy, reduce_op=reduce_op, passes=passes)
     step_fn = model if backend == "eager" else torch.compile(model, backend=backend)
-    if not bucketing:
-        return _train_distributed(model, step_fn, optimizer, reduce_op)
-    graph_pass = FsdpBucketingPass(BucketConfig(blocks=tuple(find_repeated_blocks(model))))
-    with post_grad_pass(graph_pass):
+    caches = {} if compile_caches else {"fx_graph_cache": False}
+    with inductor_config.patch(caches), functorch_config.patch(enable_autograd_cache=compile_caches):
         result = _train_distributed(model, step_fn, optimizer, reduce_op)
-    return dataclasses.replace(result, collectives_merged=graph_pass.merged)
+    graph_pass = pass_of(model)
+    if graph_pass is None:
+        return result
+    return dataclasses.replace(result, collectives_merged=graph_pass.merged, collectives_moved=graph_pass.moved)
 
 
 def train_fsdp2(strategy: str, *, param_dtype=None, reduce_dtype=None) -> Result:

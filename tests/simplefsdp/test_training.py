@@ -120,11 +120,18 @@ def test_warm_compile_cache_is_per_rank(ranks4):
         _assert_results_close(b, a, tol=None)
 
 
+@pytest.mark.parametrize("backend", ["simplefsdp_aot_eager", "inductor"])
 @pytest.mark.parametrize("strategy", STRATEGIES)
-def test_bucketing_pass_is_bitwise_neutral(request, strategy):
-    """Merged collectives move the same bytes through the same reductions: fp32 results are identical."""
+def test_passes_do_not_change_training(request, strategy, backend):
+    """Bucketing and reordering move the same bytes through the same reductions and reorder only
+    independent ops: fp32 training with the passes equals training without them, bitwise."""
     pool = _pool(request, strategy)
-    plain = pool.run(T.train_simplefsdp, strategy, "inductor")[0]
-    bucketed = pool.run(T.train_simplefsdp, strategy, "inductor", bucketing=True)[0]
-    assert bucketed.collectives_merged > 0, "the pass must have run and merged something"
-    _assert_results_close(bucketed, plain, tol=None)
+    plain = pool.run(T.train_simplefsdp, strategy, backend, passes=None)[0]
+    with_passes = pool.run(T.train_simplefsdp, strategy, backend, compile_caches=False)[0]
+    assert with_passes.collectives_merged > 0, "the pass must have run and merged something"
+    if strategy != "NO_SHARD":
+        # NO_SHARD's all-reduces are created at gradient accumulation, outside the traced gather, so
+        # they carry no parameter name: the block plan puts them in one bucket, launched after the
+        # last gradient and waited right away (the graph's end); nothing to move.
+        assert with_passes.collectives_moved > 0, "the pass must have run and moved something"
+    _assert_results_close(with_passes, plain, tol=None)

@@ -1,0 +1,41 @@
+"""`torch.compile(model, backend="simplefsdp_aot_eager")`: aot_eager plus the post-grad custom pass.
+
+For debugging a wrapped model without inductor: the forward and backward graphs are partitioned
+as inductor would (min-cut, so resharding recomputes the gathers), then the pass configured in
+`torch._inductor.config.post_grad_custom_post_pass` -- a wrapped model's own pass while it is
+being compiled, chained with the user's, see `install.py` -- runs on them, and they execute
+eagerly op by op. The graphs are not decomposed as inductor's are (casts stay `_to_copy`);
+simplefsdp's pass handles both forms.
+"""
+
+from __future__ import annotations
+
+from torch import fx
+
+from simplefsdp._compat import aot_autograd, inductor_config, min_cut_rematerialization_partition, register_backend
+
+__all__ = ["BACKEND_NAME"]
+
+BACKEND_NAME = "simplefsdp_aot_eager"
+
+
+def _run_post_grad_pass(gm: fx.GraphModule, example_inputs) -> fx.GraphModule:
+    graph_pass = inductor_config.post_grad_custom_post_pass
+    for one in graph_pass if isinstance(graph_pass, (list, tuple)) else [graph_pass]:
+        if one is not None:
+            one(gm.graph)
+    gm.graph.lint()
+    gm.recompile()
+    return gm
+
+
+def _backend(gm: fx.GraphModule, example_inputs):
+    compile_graphs = aot_autograd(
+        fw_compiler=_run_post_grad_pass,
+        bw_compiler=_run_post_grad_pass,
+        partition_fn=min_cut_rematerialization_partition,
+    )
+    return compile_graphs(gm, example_inputs)
+
+
+register_backend(name=BACKEND_NAME, compiler_fn=_backend)

@@ -1,0 +1,84 @@
+"""A deterministic cost model: alpha-beta for collectives, a FLOP/byte roofline for compute.
+
+    collective seconds = alpha + factor * (world - 1) / world * bytes_on_the_wire / bus_bandwidth
+    compute seconds    = max(flops / peak_flops, bytes_read_and_written / memory_bandwidth)
+
+`factor` is 1 for all-gather / reduce-scatter (ring, `bytes` the full gathered / reduced
+buffer) and 2 for all-reduce. FLOPs come from `torch.utils.flop_counter`'s formulas (matmuls,
+convolutions, attention); every other op is memory bound. Only the node's traced metadata is
+read, so a graph costs the same on every rank and every run: the `auto` bucket plan and the
+inspection tools can rely on it. The profiles hold public datasheet numbers with NCCL-like
+achievable bus bandwidth; they rank plans, they do not predict wall time to the microsecond.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import fx
+from torch.utils.flop_counter import flop_registry
+
+from simplefsdp._compat import tree_leaves
+
+__all__ = ["PROFILES", "DeviceProfile", "collective_seconds", "node_seconds", "profile"]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DeviceProfile:
+    name: str
+    latency_s: float  # alpha: fixed cost of one collective
+    bus_bytes_per_s: float  # achievable collective bus bandwidth per rank
+    flops_per_s: float  # dense matmul peak in the compute dtype
+    memory_bytes_per_s: float  # device memory bandwidth
+
+
+def _profile(name: str, alpha: float, bus: float, flops: float, memory: float) -> DeviceProfile:
+    return DeviceProfile(name=name, latency_s=alpha, bus_bytes_per_s=bus, flops_per_s=flops, memory_bytes_per_s=memory)
+
+
+PROFILES: dict[str, DeviceProfile] = {
+    p.name: p
+    for p in (
+        _profile("h100", alpha=15e-6, bus=360e9, flops=989e12, memory=3.35e12),  # bf16 dense, NVLink
+        _profile("h200", alpha=15e-6, bus=360e9, flops=989e12, memory=4.8e12),
+        _profile("a100", alpha=15e-6, bus=230e9, flops=312e12, memory=2.0e12),
+        # two processes on one host over gloo (TCP loopback): what the CPU tests and benchmark run
+        _profile("cpu-gloo", alpha=100e-6, bus=2e9, flops=50e9, memory=10e9),
+    )
+}
+
+
+def profile(name: str) -> DeviceProfile:
+    try:
+        return PROFILES[name]
+    except KeyError:
+        raise ValueError(f"unknown device profile {name!r}; known: {sorted(PROFILES)}") from None
+
+
+def collective_seconds(device: DeviceProfile, *, kind: str, nbytes: int, world: int) -> float:
+    """Seconds for one collective whose full buffer (gathered output / reduced input) has `nbytes`."""
+    if world <= 1:
+        return device.latency_s
+    factor = 2.0 if kind == "all_reduce" else 1.0
+    return device.latency_s + factor * (world - 1) / world * nbytes / device.bus_bytes_per_s
+
+
+def _tensor_bytes(value: object) -> int:
+    return sum(t.numel() * t.dtype.itemsize for t in tree_leaves(value) if isinstance(t, torch.Tensor))
+
+
+def node_seconds(device: DeviceProfile, node: fx.Node) -> float:
+    """Roofline seconds of one compute node (0 for placeholders, outputs, views and collectives)."""
+    if node.op != "call_function" or "val" not in node.meta:
+        return 0.0
+    target = node.target
+    if getattr(target, "is_view", False) or getattr(target, "namespace", "") == "_c10d_functional":
+        return 0.0
+    args = fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta.get("val"))
+    flops = 0
+    formula = flop_registry.get(getattr(target, "overloadpacket", None))
+    if formula is not None:
+        flops = formula(*args[0], **args[1], out_val=node.meta["val"])
+    moved = _tensor_bytes(args) + _tensor_bytes(node.meta["val"])
+    return max(flops / device.flops_per_s, moved / device.memory_bytes_per_s)

@@ -1,0 +1,139 @@
+"""Run a wrapped model's `FsdpPass` whenever torch.compile compiles that model, and only then.
+
+[Note: how a plain `torch.compile(model)` picks up the pass]
+Inductor runs the pass found in `torch._inductor.config.post_grad_custom_post_pass` when it
+compiles a graph. `install()` gives the wrapped root module a subclass whose `forward` sets that
+config (chained with whatever pass is already there) for the duration of the call and then runs
+the original `forward`. That `forward` is wrapped with `_compat.eager_top_frame`: Dynamo runs it
+eagerly when it is the top frame (`torch.compile(model)`, `model.compile()`) and compiles the
+original `forward` it calls, inside the patched config; when it is called from a frame Dynamo is
+already tracing, Dynamo traces straight through it (no graph break). The backward is lowered together with the forward
+(`force_non_lazy_backward_lowering`), inside the patch, instead of lazily at `.backward()`.
+Consequences:
+- unrelated compiles never see the pass: the config is restored when the call returns;
+- the compile caches stay correct: the pass's `uuid()` (from its config) is part of the key,
+  and the pass's decisions depend only on the graph, which is keyed already;
+- a pass the user set globally or with `config.patch` runs too, after ours, on the graph ours
+  produced (`ChainedPass`); a pass passed as `torch.compile(..., options=...)` is applied by
+  inductor *inside* our patch and replaces ours -- chain it yourself (`ChainedPass`) or set it
+  with `config.patch`;
+- when the model is called from inside a larger compiled function (`torch.compile(train_step)`),
+  the config is already fixed by the time Dynamo reaches the model; the wrapper then does
+  nothing, and `active(model)` around the compiled call is the way to apply the pass.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+from collections.abc import Iterator, Sequence
+
+import torch
+from torch import fx, nn
+
+from simplefsdp._compat import CustomGraphPass, eager_top_frame, functorch_config, inductor_config
+from simplefsdp.passes.fsdp_pass import FsdpPass
+
+__all__ = ["ChainedPass", "active", "install", "pass_of"]
+
+_PASS_ATTR = "_simplefsdp_pass"
+
+
+class ChainedPass(CustomGraphPass):
+    """Runs several post-grad passes in order; cacheable only if every one of them is."""
+
+    def __init__(self, passes: Sequence[object]) -> None:
+        self.passes = tuple(passes)
+
+    def __call__(self, graph: fx.Graph) -> None:
+        for graph_pass in self.passes:
+            graph_pass(graph)
+
+    def uuid(self) -> str | None:
+        uuids = [p.uuid() if isinstance(p, CustomGraphPass) else None for p in self.passes]
+        if not all(uuids):
+            return None  # a plain callable cannot key the cache: inductor then bypasses it, as for the callable alone
+        return hashlib.sha256("|".join(map(str, uuids)).encode()).hexdigest()
+
+
+def _flatten(current: object) -> tuple[object, ...]:
+    if current is None:
+        return ()
+    if isinstance(current, (list, tuple)):
+        return tuple(current)
+    if isinstance(current, ChainedPass):
+        return current.passes
+    return (current,)
+
+
+def _with(ours: FsdpPass, current: object) -> CustomGraphPass:
+    existing = _flatten(current)
+    if any(p is ours for p in existing):
+        return current  # nested call of the same model: already installed
+    return ChainedPass((ours, *existing)) if existing else ours
+
+
+def pass_of(model: nn.Module) -> FsdpPass | None:
+    """The pass `install()` attached to `model` (None if passes are off or `model` is not a wrapped root)."""
+    return getattr(model, _PASS_ATTR, None)
+
+
+@contextlib.contextmanager
+def active(model: nn.Module) -> Iterator[FsdpPass | None]:
+    """Inside the block, compiles run `model`'s pass (chained with any pass already configured).
+
+    Needed only when the model is compiled as part of a larger function; `torch.compile(model)`
+    applies it by itself. A no-op if the model's passes are off.
+    """
+    graph_pass = pass_of(model)
+    if graph_pass is None:
+        yield None
+        return
+    patch = {"post_grad_custom_post_pass": _with(graph_pass, inductor_config.post_grad_custom_post_pass)}
+    if graph_pass.config.reorder is not None:
+        # Inductor's peak-memory reordering sinks each all-gather back to its wait (seen in the
+        # generated code), undoing the prefetch; the pass bounds its extra memory itself.
+        patch["reorder_for_peak_memory"] = False
+    with inductor_config.patch(patch), functorch_config.patch(force_non_lazy_backward_lowering=True):
+        yield graph_pass
+
+
+# [Note: nothing traceable in the eager wrapper]
+# While the wrapper runs eagerly, Dynamo's frame callback is still set: every Python frame it calls
+# (a contextlib helper, our own functions) would be compiled -- and with fullgraph=True fail. So it
+# calls only `torch.compiler.is_compiling()` and the two fully disabled functions below.
+@torch.compiler.disable
+def _enter(model: nn.Module) -> contextlib.ExitStack:
+    stack = contextlib.ExitStack()
+    stack.enter_context(active(model))
+    return stack
+
+
+@torch.compiler.disable
+def _leave(stack: contextlib.ExitStack) -> None:
+    stack.close()
+
+
+@functools.cache
+def _compiling_class(cls: type[nn.Module]) -> type[nn.Module]:
+    original_forward = cls.forward
+
+    def forward(self, *args, **kwargs):
+        if torch.compiler.is_compiling():  # inlined into a larger compiled function, see the module note
+            return original_forward(self, *args, **kwargs)
+        stack = _enter(self)
+        try:
+            return original_forward(self, *args, **kwargs)
+        finally:
+            _leave(stack)
+
+    forward.__doc__ = original_forward.__doc__
+    return type(cls.__name__, (cls,), {"forward": eager_top_frame(forward), "__module__": cls.__module__})
+
+
+def install(model: nn.Module, graph_pass: FsdpPass | None) -> None:
+    """Attach `graph_pass` to the wrapped root `model` so its compiles run it (None: passes off)."""
+    setattr(model, _PASS_ATTR, graph_pass)
+    if graph_pass is not None:
+        model.__class__ = _compiling_class(type(model))

@@ -1,0 +1,220 @@
+"""Reorder FSDP collectives so communication overlaps compute.
+
+All-gathers (forward, and the backward's re-gathers under FULL_SHARD), in order of first use
+`g_0, g_1, ...`:
+
+    launch g_0 .. g_d | wait g_0, compute 0 | launch g_{d+1}, wait g_1, compute 1 | ...
+
+the all-gather of `g_{i+d}` (prefetch depth `d`, default 1) and its copy-in are launched right
+before `g_i` is waited (so before `g_i`'s compute), and every wait sits right before the first
+op that uses its result. Gradient reductions (reduce-scatters, all-reduces): each is launched as
+soon as its last input gradient exists and waited as late as allowed -- right before the first
+real use of its result (usually the graph's output), or earlier when the reductions in flight
+would otherwise hold more than the memory budget.
+
+[Note: what a move may carry]
+Only cheap data-movement ops move with a collective: the launch chain of an all-gather (its
+casts, pads, reshapes and the bucket's concat, back to graph inputs), the launch chain of a
+reduction (its casts, reshapes and concat, back to the ops that computed the gradients) and a
+wait's landing chain (the views that unpack a bucket). An all-gather whose input depends on real
+compute (not a parameter's shard) is not prefetched. So a move never drags compute across the
+graph and every move keeps the graph topologically sorted.
+
+[Note: one order on every rank]
+Decisions use only the graph's structure and its tensors' global-per-collective sizes (the
+gathered output, the full gradient), which are equal on every rank: a rank holding a smaller
+shard of an uneven parameter has an extra pad node, but pads travel in launch chains, and the
+relative order of all other nodes is the same everywhere. So every rank issues its collectives
+in the same order (a mismatch would hang).
+
+Memory: prefetching `g_{i+d}` keeps `d` extra gathered buffers alive during `g_i`'s compute; the
+depth for a given gather shrinks until those buffers fit `max_in_flight_bytes`. Likewise a
+reduction is waited before launching the one that would make the inputs of the reductions in
+flight exceed `max_in_flight_bytes` (a collective's input must stay alive until its wait).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import operator
+from collections.abc import Iterable
+
+import torch
+from torch import fx
+
+from simplefsdp.passes.collectives import is_all_gather, is_wait, passes_value_through
+from simplefsdp.passes.detect import find_fsdp_reductions
+
+__all__ = ["ReorderConfig", "reorder_all_gathers", "reorder_reductions"]
+
+_aten = torch.ops.aten
+_PREP_EXTRA = {_aten.constant_pad_nd.default}  # data movement that is not a view, cast, copy or concat
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ReorderConfig:
+    """How far ahead to launch collectives (see the module docstring)."""
+
+    prefetch_depth: int = 1  # all-gathers launched ahead of the one being waited
+    max_in_flight_bytes: int = 2**30  # extra gathered buffers / reduction inputs kept alive by reordering
+
+    def __post_init__(self) -> None:
+        if self.prefetch_depth < 0:
+            raise ValueError(f"prefetch_depth must be >= 0, got {self.prefetch_depth}")
+        if self.max_in_flight_bytes <= 0:
+            raise ValueError(f"max_in_flight_bytes must be positive, got {self.max_in_flight_bytes}")
+
+
+def _is_data_movement(node: fx.Node) -> bool:
+    if node.op != "call_function" or is_wait(node):
+        return False
+    return passes_value_through(node) or node.target in _PREP_EXTRA
+
+
+def _is_unpack(node: fx.Node) -> bool:
+    """A view that unpacks a waited result (`reshape`, `split_with_sizes`, `getitem`, `slice`, ...)."""
+    if node.op != "call_function":
+        return False
+    return node.target is operator.getitem or bool(getattr(node.target, "is_view", False))
+
+
+def _positions(graph: fx.Graph) -> dict[fx.Node, int]:
+    return {node: i for i, node in enumerate(graph.nodes)}
+
+
+def _move_before(anchor: fx.Node, nodes: Iterable[fx.Node], pos: dict[fx.Node, int]) -> None:
+    for node in sorted(nodes, key=pos.__getitem__):
+        anchor.prepend(node)
+
+
+def _gather_launch_chain(collective: fx.Node) -> list[fx.Node] | None:
+    """The data-movement ops from graph inputs to `collective`'s input, or None if real compute feeds it."""
+    chain, stack, seen = [], list(collective.all_input_nodes), set()
+    while stack:
+        node = stack.pop()
+        if node in seen or node.op in ("placeholder", "get_attr"):
+            continue
+        seen.add(node)
+        if not _is_data_movement(node):
+            return None
+        chain.append(node)
+        stack.extend(node.all_input_nodes)
+    return chain
+
+
+def _reduction_launch_chain(collective: fx.Node) -> list[fx.Node]:
+    """The data-movement ops between the gradients' producers and `collective`'s input."""
+    chain, stack, seen = [], list(collective.all_input_nodes), set()
+    while stack:
+        node = stack.pop()
+        if node in seen or not _is_data_movement(node):
+            continue
+        seen.add(node)
+        chain.append(node)
+        stack.extend(node.all_input_nodes)
+    return chain
+
+
+def _landing(wait: fx.Node) -> tuple[list[fx.Node], list[fx.Node]]:
+    """(unpacking views fed only by `wait`, the other users of wait and those views)."""
+    landing, consumers, stack = {wait}, [], list(wait.users)
+    while stack:
+        node = stack.pop()
+        if node in landing or node in consumers:
+            continue
+        if _is_unpack(node) and all(i in landing for i in node.all_input_nodes):
+            landing.add(node)
+            stack.extend(node.users)
+        else:
+            consumers.append(node)
+    landing.discard(wait)
+    return list(landing), consumers
+
+
+def _out_bytes(node: fx.Node) -> int:
+    val = node.meta["val"]
+    return val.numel() * val.dtype.itemsize
+
+
+@dataclasses.dataclass
+class _Gather:
+    collective: fx.Node
+    wait: fx.Node
+    chain: list[fx.Node]
+    landing: list[fx.Node]
+    first_use: fx.Node
+
+
+def _prefetchable_gathers(graph: fx.Graph, pos: dict[fx.Node, int]) -> list[_Gather]:
+    found = []
+    for node in graph.nodes:
+        if not is_all_gather(node) or len(node.users) != 1 or not is_wait(next(iter(node.users))):
+            continue
+        chain = _gather_launch_chain(node)
+        wait = next(iter(node.users))
+        landing, consumers = _landing(wait)
+        if chain is None or not consumers:
+            continue
+        found.append(_Gather(node, wait, chain, landing, min(consumers, key=pos.__getitem__)))
+    return sorted(found, key=lambda g: pos[g.first_use])
+
+
+def reorder_all_gathers(graph: fx.Graph, *, config: ReorderConfig) -> int:
+    """Prefetch all-gathers and sink their waits to first use; returns how many launches moved earlier."""
+    pos = _positions(graph)
+    gathers = _prefetchable_gathers(graph, pos)
+    for g in gathers:  # wait (and unpacking) right before the first use
+        _move_before(g.first_use, [g.wait, *g.landing], pos)
+    pos = _positions(graph)
+    moved, previous_anchor = 0, 0
+    sizes = [_out_bytes(g.wait) for g in gathers]
+    for j, g in enumerate(gathers):
+        depth = min(config.prefetch_depth, j)
+        while depth > 0 and sum(sizes[j - depth + 1 : j + 1]) > config.max_in_flight_bytes:
+            depth -= 1
+        anchor_index = max(j - depth, previous_anchor)
+        previous_anchor = anchor_index
+        anchor = gathers[anchor_index].wait
+        if anchor_index == j or pos[g.collective] < pos[anchor]:
+            continue  # no prefetch asked for, or already launched early enough: never delay a launch
+        _move_before(anchor, [n for n in g.chain if pos[n] > pos[anchor]] + [g.collective], pos)
+        pos = _positions(graph)
+        moved += 1
+    return moved
+
+
+def reorder_reductions(graph: fx.Graph, *, config: ReorderConfig) -> int:
+    """Launch each gradient reduction right after its inputs exist, wait as late as the budget allows;
+    returns how many waits moved later."""
+    reductions = find_fsdp_reductions(graph)
+    for r in reductions:  # as soon as possible: each chain node right after its latest input
+        pos = _positions(graph)
+        for node in sorted([*_reduction_launch_chain(r.collective), r.collective], key=pos.__getitem__):
+            inputs = node.all_input_nodes
+            if inputs:
+                latest = max(inputs, key=pos.__getitem__)
+                if latest.next is not node:
+                    latest.append(node)
+                pos = _positions(graph)
+    pos = _positions(graph)
+    reductions.sort(key=lambda r: pos[r.collective])
+    launch_of = [min([*_reduction_launch_chain(r.collective), r.collective], key=pos.__getitem__) for r in reductions]
+    sizes = [_out_bytes(r.collective.args[0]) for r in reductions]
+    moved = 0
+    for i, r in enumerate(reductions):
+        landing, consumers = _landing(r.wait)
+        limits = [min(consumers, key=pos.__getitem__)] if consumers else []
+        in_flight = sizes[i]
+        for m in range(i + 1, len(reductions)):
+            in_flight += sizes[m]
+            if in_flight > config.max_in_flight_bytes:
+                limits.append(launch_of[m])
+                break
+        if not limits:
+            continue
+        anchor = min(limits, key=pos.__getitem__)
+        if pos[anchor] > pos[r.wait] + 1 + len(landing):
+            _move_before(anchor, [r.wait, *landing], pos)
+            pos = _positions(graph)
+            moved += 1
+    return moved

@@ -1,0 +1,186 @@
+"""A plain `torch.compile(model)` of a wrapped L = 8 transformer on the fake process group (world 8
+and 64): bucket counts and the launch / wait order, in the post-grad FX graphs and in the code
+inductor generates."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import fx
+from torch.distributed.device_mesh import init_device_mesh
+
+import simplefsdp
+from simplefsdp._compat import CustomGraphPass, fake_store, functorch_config, inductor_config, run_and_get_code
+from simplefsdp.models import Transformer, TransformerArgs
+from simplefsdp.passes.collectives import collective_counts, is_all_gather, is_reduce_scatter, is_wait
+from simplefsdp.passes.fsdp_pass import FsdpPass
+from simplefsdp.passes.install import pass_of
+
+L8 = TransformerArgs(vocab_size=67, dim=32, n_layers=8, n_heads=4, ffn_dim=88, max_seq_len=16)
+N_PARAMS = len(list(Transformer(L8).parameters()))
+
+
+@pytest.fixture(scope="module", params=[8, 64])
+def fake_world(request):
+    dist.init_process_group("fake", store=fake_store(), rank=0, world_size=request.param)
+    yield request.param
+    dist.destroy_process_group()
+
+
+class _Record(CustomGraphPass):
+    """A user's own post-grad pass: records the graphs it sees."""
+
+    def __init__(self) -> None:
+        self.graphs: list[fx.Graph] = []
+
+    def __call__(self, graph: fx.Graph) -> None:
+        self.graphs.append(graph)
+
+    def uuid(self) -> str:
+        return "tests-record"
+
+
+def _compile_step(world: int, passes=simplefsdp.PassConfig()):
+    """One compiled training step: (user pass with the post-grad graphs, generated code, model)."""
+    torch.manual_seed(0)
+    model = simplefsdp.wrap(Transformer(L8), init_device_mesh("cpu", (world,)), passes=passes)
+    tokens = torch.randint(0, L8.vocab_size, (2, 8))
+    compiled = torch.compile(model)
+    user_pass = _Record()
+    with (
+        inductor_config.patch(post_grad_custom_post_pass=user_pass, fx_graph_cache=False),
+        functorch_config.patch(enable_autograd_cache=False),
+    ):
+        _, code = run_and_get_code(lambda: compiled(tokens).sum().backward())
+    assert inductor_config.post_grad_custom_post_pass is None, "the model's pass must not outlive its compile"
+    return user_pass, code, model
+
+
+@pytest.fixture(scope="module")
+def step(fake_world):
+    return _compile_step(fake_world)
+
+
+def _counts(graph: fx.Graph):
+    return collective_counts(fx.GraphModule(torch.nn.Module(), graph))
+
+
+def test_default_plan_one_collective_per_block_plus_rest(step):
+    user_pass, _, model = step
+    forward, backward = user_pass.graphs
+    assert pass_of(model).graphs == 2, "our pass ran on the forward and the backward graph"
+    fwd, bwd = _counts(forward), _counts(backward)
+    assert fwd["all_gather"] == L8.n_layers + 1
+    assert bwd["all_gather"] == L8.n_layers + 1, "FULL_SHARD re-gathers, bucketed the same way"
+    assert bwd["reduce_scatter"] == L8.n_layers + 1
+
+
+def _events(graph: fx.Graph) -> list[tuple[str, str]]:
+    """("L", name) at each launch, ("W", name of the launch) at each wait, ("mm", "") at each matmul."""
+    events = []
+    for node in graph.nodes:
+        if is_all_gather(node) or is_reduce_scatter(node):
+            events.append(("L", node.name))
+        elif is_wait(node):
+            events.append(("W", node.args[0].name))
+        elif node.op == "call_function" and node.target is torch.ops.aten.mm.default:
+            events.append(("mm", ""))
+    return events
+
+
+_LAUNCHES = "all_gather_into_tensor|reduce_scatter_tensor"
+
+
+def _code_events(code: str) -> list[tuple[str, str]]:
+    """The same events read from inductor's generated `call()` ("mm": an `extern_kernels.mm` call).
+
+    Only matmuls count as compute here: the CPU backend fuses a prefetched bucket's copy-in (a
+    pointwise concat of its shards) into the previous bucket's first pointwise kernel, so the
+    launch lands after that one kernel -- still before every matmul of the bucket it overlaps.
+    """
+    events = []
+    for line in code[code.index("def call(self") :].splitlines():
+        if m := re.search(
+            r"(buf\d+) = torch\.ops\._c10d_functional\.(all_gather_into_tensor|reduce_scatter_tensor)", line
+        ):
+            events.append(("L", m.group(1)))
+        elif m := re.search(r"torch\.ops\._c10d_functional\.wait_tensor\.default\((buf\d+)\)", line):
+            events.append(("W", m.group(1)))
+        elif "extern_kernels.mm(" in line:
+            events.append(("mm", ""))
+    return events
+
+
+def _assert_prefetch_depth_1(events: list[tuple[str, str]], where: str) -> None:
+    """All-gather i + 1 is launched before any of bucket i's matmuls (those after wait i) and waited
+    after them; all-gather i + 2 only after wait i (depth 1). Without the pass each all-gather is
+    launched right before its own wait, after bucket i's compute."""
+    gathers = [name for kind, name in events if kind == "L" and name in _gathered(events)]
+    pos = {event: i for i, event in enumerate(events)}
+    for i in range(len(gathers) - 1):
+        wait_i, launch_next, wait_next = pos[("W", gathers[i])], pos[("L", gathers[i + 1])], pos[("W", gathers[i + 1])]
+        assert not any(kind == "mm" for kind, _ in events[wait_i:launch_next]), (
+            f"{where}: gather {i + 1} launches after some of bucket {i}'s compute"
+        )
+        if i + 2 < len(gathers):
+            assert pos[("L", gathers[i + 2])] > wait_i, f"{where}: gather {i + 2} launched too early (depth 1)"
+        if i > 0:  # bucket 0 is the rest: the embedding, no matmul
+            assert any(kind == "mm" for kind, _ in events[launch_next:wait_next]), (
+                f"{where}: gather {i + 1} overlaps nothing"
+            )
+
+
+def _gathered(events):
+    launched = [name for kind, name in events if kind == "L"]
+    waited = {name for kind, name in events if kind == "W"}
+    return [name for name in launched if name in waited]
+
+
+def _reductions_overlap(events: list[tuple[str, str]], reduce_names: list[str], where: str) -> None:
+    """The reduce-scatters of blocks L-1 .. 1 each launch before some compute and are waited after it
+    (without the pass each is waited right after its launch). Block 0's and the rest's are launched
+    after the last matmul: only the embedding's backward follows them."""
+    pos = {event: i for i, event in enumerate(events)}
+    overlapping = [
+        name for name in reduce_names if any(kind == "mm" for kind, _ in events[pos[("L", name)] : pos[("W", name)]])
+    ]
+    assert len(overlapping) >= L8.n_layers - 1, f"{where}: only {overlapping} of {reduce_names} overlap compute"
+
+
+def test_order_in_fx_graphs(step):
+    user_pass, _, _ = step
+    forward, backward = user_pass.graphs
+    _assert_prefetch_depth_1(_events(forward), "forward FX")
+    bwd = _events(backward)
+    _assert_prefetch_depth_1([e for e in bwd if e[0] == "mm" or _is_gather_event(backward, e)], "backward FX")
+    reductions = [n.name for n in backward.nodes if is_reduce_scatter(n)]
+    _reductions_overlap(bwd, reductions, "backward FX")
+
+
+def _is_gather_event(graph: fx.Graph, event: tuple[str, str]) -> bool:
+    node = next(n for n in graph.nodes if n.name == event[1])
+    return is_all_gather(node)
+
+
+def test_order_survives_inductor(step):
+    _, code, _ = step
+    forward_code, backward_code = code
+    _assert_prefetch_depth_1(_code_events(forward_code), "forward code")
+    bwd = _code_events(backward_code)
+    gather_bufs = set(re.findall(r"(buf\d+) = torch\.ops\._c10d_functional\.all_gather_into_tensor", backward_code))
+    reduce_bufs = re.findall(r"(buf\d+) = torch\.ops\._c10d_functional\.reduce_scatter_tensor", backward_code)
+    assert len(gather_bufs) == len(reduce_bufs) == L8.n_layers + 1
+    _assert_prefetch_depth_1([e for e in bwd if e[0] == "mm" or e[1] in gather_bufs], "backward code")
+    _reductions_overlap(bwd, reduce_bufs, "backward code")
+
+
+def test_graph_without_fsdp_collectives_is_untouched():
+    graph = fx.symbolic_trace(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU())).graph
+    before = str(graph)
+    graph_pass = FsdpPass()
+    graph_pass(graph)
+    assert str(graph) == before
+    assert (graph_pass.graphs, graph_pass.merged, graph_pass.moved) == (1, 0, 0)
