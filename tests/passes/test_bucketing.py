@@ -7,12 +7,14 @@ import torch
 from torch.distributed.device_mesh import init_device_mesh
 
 import simplefsdp
+from simplefsdp._compat import functorch_config, inductor_config
 from simplefsdp.models import Transformer, TransformerArgs
 from simplefsdp.passes.collectives import collective_counts
 from simplefsdp.passes.detect import find_fsdp_all_gathers, find_fsdp_reductions
 from simplefsdp.passes.fsdp_pass import BucketConfig, FsdpPass, PassConfig
 from simplefsdp.passes.install import pass_of
 from simplefsdp.passes.plan import find_repeated_blocks
+from simplefsdp.passes.reorder import ReorderConfig
 from tests._graphs import capture_post_grad
 
 ARGS = TransformerArgs(vocab_size=67, dim=32, n_layers=2, n_heads=4, ffn_dim=88, max_seq_len=16)
@@ -124,14 +126,93 @@ def test_passes_off_leave_one_collective_per_parameter(fake_world8):
 
 
 def test_auto_plan_on_a_real_graph_is_valid_and_deterministic(fake_world8):
-    """The cost-model plan on L = 8 blocks: between one and one-per-parameter all-gathers, the same twice."""
+    """The cost-model plan on a real graph: between one and one-per-parameter collectives, the same twice."""
     config = BucketConfig(plan="auto", device="h100")
     counts = []
     for _ in range(2):
         torch.compiler.reset()
-        forward, backward = _bucketed_graphs("FULL_SHARD", config, L8)
+        forward, backward = _bucketed_graphs("FULL_SHARD", config)
         counts.append((_counts(forward)["all_gather"], _counts(backward)["reduce_scatter"]))
     assert counts[0] == counts[1]
-    n_params = len(list(Transformer(L8).parameters()))
-    assert 1 <= counts[0][0] < n_params
-    assert 1 <= counts[0][1] < n_params
+    assert 1 <= counts[0][0] < N_PARAMS
+    assert 1 <= counts[0][1] < N_PARAMS
+
+
+def test_model_inside_a_compiled_step(fake_world8):
+    """Called from a larger compiled function, the wrapped model traces without a graph break
+    (fullgraph=True); its pass runs when the compiling call is inside `active(model)`."""
+    from simplefsdp.passes.install import active
+
+    model = simplefsdp.wrap(Transformer(ARGS), init_device_mesh("cpu", (8,)))
+    tokens = torch.randint(0, ARGS.vocab_size, (2, 8))
+
+    @torch.compile(fullgraph=True)
+    def step(tokens):
+        return model(tokens).sum()
+
+    with inductor_config.patch(fx_graph_cache=False), functorch_config.patch(enable_autograd_cache=False):
+        step(tokens).backward()
+        assert pass_of(model).graphs == 0, "outside active(): the compile config was fixed before the model"
+        torch.compiler.reset()
+        with active(model):
+            step(tokens).backward()
+    assert pass_of(model).graphs == 2
+    assert pass_of(model).merged > 0
+
+
+def _launch_wait_order(graph: torch.fx.Graph, predicate) -> list[str]:
+    from simplefsdp.passes.collectives import is_wait
+
+    order = []
+    for node in graph.nodes:
+        if predicate(node):
+            order.append(f"L{len([o for o in order if o.startswith('L')])}")
+        elif is_wait(node) and predicate(node.args[0]):
+            order.append("W")
+    return order
+
+
+def _reordered_graphs(fake_world8, reorder: ReorderConfig):
+    torch.compiler.reset()  # a fresh compile: Dynamo would reuse the previous model's graph
+    mesh = init_device_mesh("cpu", (8,))
+    model = simplefsdp.wrap(Transformer(L8), mesh, passes=None)
+    tokens = torch.randint(0, L8.vocab_size, (2, 8))
+    blocks = tuple(find_repeated_blocks(model))
+    config = PassConfig(bucket=BucketConfig(blocks=blocks), reorder=reorder)
+    return capture_post_grad(model, lambda compiled: compiled(tokens).sum(), before=FsdpPass(config))
+
+
+def test_prefetch_depth_and_memory_budget(fake_world8):
+    """Depth 2 launches two gathers ahead; a budget smaller than one bucket leaves no prefetch and
+    waits every reduce-scatter before the next one launches."""
+    from simplefsdp.passes.collectives import is_all_gather, is_reduce_scatter
+
+    n = L8.n_layers + 1
+    forward, _ = _reordered_graphs(fake_world8, ReorderConfig(prefetch_depth=2))
+    assert _launch_wait_order(forward, is_all_gather)[:4] == ["L0", "L1", "L2", "W"]
+    forward, backward = _reordered_graphs(fake_world8, ReorderConfig(max_in_flight_bytes=1))
+    assert _launch_wait_order(forward, is_all_gather) == [x for i in range(n) for x in (f"L{i}", "W")]
+    assert _launch_wait_order(backward, is_reduce_scatter) == [x for i in range(n) for x in (f"L{i}", "W")]
+    with pytest.raises(ValueError, match="prefetch_depth must be >= 0"):
+        ReorderConfig(prefetch_depth=-1)
+
+
+def test_gathers_on_different_process_groups_are_not_merged():
+    """Two parameter all-gathers on groups "0" and "1": even a plan that would take everything keeps them apart."""
+    from simplefsdp._compat import FakeTensorMode
+
+    c10d = torch.ops._c10d_functional
+    with FakeTensorMode() as mode:
+        shard = mode.from_tensor(torch.zeros(4))
+    g = torch.fx.Graph()
+    waits = []
+    for i, group in enumerate(["0", "1"]):
+        x = g.placeholder(f"shard{i}")
+        x.meta["val"] = shard
+        ag = g.call_function(c10d.all_gather_into_tensor.default, (x, 8, group))
+        waits.append(g.call_function(c10d.wait_tensor.default, (ag,)))
+    g.output(tuple(waits))
+    graph_pass = FsdpPass(PassConfig(bucket=BucketConfig(plan="cap", cap_bytes=2**30), reorder=None))
+    graph_pass(g)
+    assert graph_pass.merged == 0
+    assert [n.args[2] for n in g.nodes if n.target is c10d.all_gather_into_tensor.default] == ["0", "1"]
