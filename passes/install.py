@@ -32,7 +32,13 @@ from collections.abc import Iterator, Sequence
 import torch
 from torch import fx, nn
 
-from simplefsdp._compat import CustomGraphPass, eager_top_frame, functorch_config, inductor_config
+from simplefsdp._compat import (
+    CustomGraphPass,
+    CustomInferenceAwareGraphPass,
+    eager_top_frame,
+    functorch_config,
+    inductor_config,
+)
 from simplefsdp.passes.fsdp_pass import FsdpPass
 
 __all__ = ["ChainedPass", "active", "install", "pass_of"]
@@ -40,15 +46,25 @@ __all__ = ["ChainedPass", "active", "install", "pass_of"]
 _PASS_ATTR = "_simplefsdp_pass"
 
 
-class ChainedPass(CustomGraphPass):
-    """Runs several post-grad passes in order; cacheable only if every one of them is."""
+def _aware(graph_pass: object) -> bool:
+    return CustomInferenceAwareGraphPass is not None and isinstance(graph_pass, CustomInferenceAwareGraphPass)
+
+
+class ChainedPass(CustomInferenceAwareGraphPass or CustomGraphPass):
+    """Runs several post-grad passes in order; cacheable only if every one of them is.
+
+    Inference-aware members get the `is_inference` flag inductor passes to the chain.
+    """
 
     def __init__(self, passes: Sequence[object]) -> None:
         self.passes = tuple(passes)
 
-    def __call__(self, graph: fx.Graph) -> None:
+    def __call__(self, graph: fx.Graph, is_inference: bool = False) -> None:
         for graph_pass in self.passes:
-            graph_pass(graph)
+            if _aware(graph_pass):
+                graph_pass(graph, is_inference=is_inference)
+            else:
+                graph_pass(graph)
 
     def uuid(self) -> str | None:
         uuids = [p.uuid() if isinstance(p, CustomGraphPass) else None for p in self.passes]

@@ -32,6 +32,13 @@ from torch._dynamo.external_utils import get_nonrecursive_disable_wrapper as eag
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
+# The post-grad pass interface that also receives `is_inference` (a user's pass may implement it;
+# our chain forwards the flag). torch._inductor.custom_graph_pass: checked on 2.13; None where absent.
+try:
+    from torch._inductor.custom_graph_pass import CustomInferenceAwareGraphPass
+except ImportError:  # pragma: no cover - older torch
+    CustomInferenceAwareGraphPass = None
+
 # Re-sort a graph after inserting nodes, keeping the existing order where dependencies allow.
 # torch._inductor.pattern_matcher.stable_topological_sort: checked on 2.13.
 from torch._inductor.pattern_matcher import stable_topological_sort
@@ -115,6 +122,7 @@ _torch_stable_hash = None  # torch's own DTensor._stable_hash_for_caching, once 
 
 __all__ = [
     "CustomGraphPass",
+    "CustomInferenceAwareGraphPass",
     "FakeTensorMode",
     "OpOverload",
     "OpOverloadPacket",

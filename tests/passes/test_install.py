@@ -1,0 +1,58 @@
+"""The pass chain `install.py` builds around a user's own post-grad pass (no compiling here)."""
+
+from __future__ import annotations
+
+from torch import fx
+
+from simplefsdp._compat import CustomGraphPass, CustomInferenceAwareGraphPass
+from simplefsdp.passes.fsdp_pass import FsdpPass
+from simplefsdp.passes.install import ChainedPass, _with
+
+
+class _Named(CustomGraphPass):
+    def __init__(self, name: str, log: list) -> None:
+        self.name, self.log = name, log
+
+    def __call__(self, graph: fx.Graph) -> None:
+        self.log.append(self.name)
+
+    def uuid(self) -> str:
+        return self.name
+
+
+class _Aware(CustomInferenceAwareGraphPass):
+    def __init__(self, log: list) -> None:
+        self.log = log
+
+    def __call__(self, graph: fx.Graph, is_inference: bool) -> None:
+        self.log.append(("aware", is_inference))
+
+    def uuid(self) -> str:
+        return "aware"
+
+
+def test_ours_runs_first_then_the_users():
+    log, ours = [], FsdpPass()
+    chain = _with(ours, _Named("user", log))
+    assert isinstance(chain, ChainedPass)
+    assert chain.passes[0] is ours
+    chain(fx.Graph())
+    assert log == ["user"]
+    assert ours.graphs == 1
+    assert _with(ours, None) is ours, "alone when the user set nothing"
+    assert _with(ours, chain) is chain, "not installed twice"
+
+
+def test_chain_cache_key():
+    log, ours = [], FsdpPass()
+    keyed = _with(ours, _Named("user", log))
+    assert keyed.uuid()
+    assert keyed.uuid() != _with(ours, _Named("other", log)).uuid()
+    assert _with(ours, lambda graph: None).uuid() is None, "a plain callable cannot key the cache"
+
+
+def test_inference_flag_reaches_aware_passes():
+    log = []
+    chain = _with(FsdpPass(), [_Aware(log), _Named("plain", log)])
+    chain(fx.Graph(), is_inference=True)
+    assert log == [("aware", True), "plain"]
