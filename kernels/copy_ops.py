@@ -1,0 +1,158 @@
+"""The four bucket copy ops as `torch.library` custom ops: `torch.ops.simplefsdp.<name>`.
+
+Semantics: `reference.py`. Each op has a CUDA implementation (one Triton kernel launch per
+parameter, `triton_copy.py`; `SIMPLEFSDP_TRITON_ON_CPU=1` also routes CPU tensors through it, for
+the interpreter tests), a CPU implementation (torch ops: one `cat` / `split` after per-parameter
+cast + pad, the same work as the unfused sequence it replaces) and a fake implementation, so the
+ops trace under torch.compile. Inputs are checked up front; a bad one raises a `ValueError`
+naming the argument and position.
+
+All-gather copy-out returns fresh tensors (not views): a parameter's full value spans every rank
+slot of the gathered buffer, `[world, bucket]` rows apart, so only a one-parameter bucket could be
+viewed; the copy is one read and one write per element.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+
+import torch
+
+from simplefsdp.kernels import reference
+
+__all__ = ["all_gather_copy_in", "all_gather_copy_out", "reduce_scatter_copy_in", "reduce_scatter_copy_out"]
+
+_FLOAT = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _use_triton(t: torch.Tensor) -> bool:
+    return t.device.type == "cuda" or os.environ.get("SIMPLEFSDP_TRITON_ON_CPU") == "1"
+
+
+def _check_dtype(what: str, dtype: torch.dtype) -> None:
+    if dtype not in _FLOAT:
+        raise ValueError(f"{what} has dtype {dtype}; supported: {', '.join(map(str, _FLOAT))}")
+
+
+def _check_tensors(what: str, tensors: Sequence[torch.Tensor]) -> None:
+    for i, t in enumerate(tensors):
+        _check_dtype(f"{what}[{i}]", t.dtype)
+        if not t.is_contiguous():
+            raise ValueError(f"{what}[{i}] (shape {tuple(t.shape)}, stride {t.stride()}) must be contiguous")
+
+
+def _check_chunks(chunks: Sequence[int], n: int | None) -> None:
+    """`chunks` are >= 0 and, if `n` is given, one per tensor."""
+    if n is not None and len(chunks) != n:
+        raise ValueError(f"got {len(chunks)} chunk sizes for {n} tensors")
+    bad = [i for i, c in enumerate(chunks) if c < 0]
+    if bad:
+        raise ValueError(f"chunk sizes must be >= 0; chunks{bad} are negative")
+
+
+# --- all-gather copy-in -------------------------------------------------------------------------
+
+
+@torch.library.custom_op("simplefsdp::all_gather_copy_in", mutates_args=())
+def all_gather_copy_in(shards: list[torch.Tensor], chunks: list[int], dtype: torch.dtype) -> torch.Tensor:
+    """This rank's shards, cast to `dtype` and zero-padded to `chunks`, in one flat buffer."""
+    _check_tensors("shards", shards)
+    _check_dtype("dtype", dtype)
+    _check_chunks(chunks, len(shards))
+    for i, (s, c) in enumerate(zip(shards, chunks, strict=True)):
+        if s.numel() > c:
+            raise ValueError(f"shards[{i}] has {s.numel()} elements, more than its chunk of {c}")
+    if not shards or not _use_triton(shards[0]):
+        return reference.all_gather_copy_in(shards, chunks, dtype)
+    from simplefsdp.kernels import triton_copy
+
+    out = torch.empty(sum(chunks), dtype=dtype, device=shards[0].device)
+    triton_copy.pack([s.reshape(-1) for s in shards], list(chunks), out, rows=1)
+    return out
+
+
+@all_gather_copy_in.register_fake
+def _(shards, chunks, dtype):
+    device = shards[0].device if shards else torch.device("cpu")
+    return torch.empty(sum(chunks), dtype=dtype, device=device)
+
+
+# --- all-gather copy-out ------------------------------------------------------------------------
+
+
+@torch.library.custom_op("simplefsdp::all_gather_copy_out", mutates_args=())
+def all_gather_copy_out(gathered: torch.Tensor, chunks: list[int], numels: list[int], world: int) -> list[torch.Tensor]:
+    """Each parameter's full value (flat, padding stripped) from the gathered `[world * bucket]` buffer."""
+    _check_tensors("gathered", [gathered])
+    _check_chunks(chunks, len(numels))
+    if gathered.numel() != world * sum(chunks):
+        raise ValueError(f"gathered has {gathered.numel()} elements; world {world} x bucket {sum(chunks)} expected")
+    for i, (c, n) in enumerate(zip(chunks, numels, strict=True)):
+        if not 0 <= n <= world * c:
+            raise ValueError(f"numels[{i}] = {n} does not fit {world} chunks of {c}")
+    if not _use_triton(gathered):
+        return reference.all_gather_copy_out(gathered, chunks, numels, world)
+    from simplefsdp.kernels import triton_copy
+
+    outs = [torch.empty(n, dtype=gathered.dtype, device=gathered.device) for n in numels]
+    triton_copy.unpack(gathered, list(chunks), outs, rows=world)
+    return outs
+
+
+@all_gather_copy_out.register_fake
+def _(gathered, chunks, numels, world):
+    return [gathered.new_empty(n) for n in numels]
+
+
+# --- reduce-scatter copy-in ---------------------------------------------------------------------
+
+
+@torch.library.custom_op("simplefsdp::reduce_scatter_copy_in", mutates_args=())
+def reduce_scatter_copy_in(grads: list[torch.Tensor], world: int, dtype: torch.dtype, scale: float) -> torch.Tensor:
+    """The `[world * bucket]` reduce-scatter input: gradients cast (times `scale`), padded, rank chunks interleaved."""
+    _check_tensors("grads", grads)
+    _check_dtype("dtype", dtype)
+    if world < 1:
+        raise ValueError(f"world must be >= 1, got {world}")
+    if not grads or not _use_triton(grads[0]):
+        return reference.reduce_scatter_copy_in(grads, world, dtype, scale)
+    from simplefsdp.kernels import triton_copy
+
+    chunks = [reference.chunk_numel(g.shape, world) for g in grads]
+    out = torch.empty(world * sum(chunks), dtype=dtype, device=grads[0].device)
+    triton_copy.pack([g.reshape(-1) for g in grads], chunks, out, rows=world, scale=scale)
+    return out
+
+
+@reduce_scatter_copy_in.register_fake
+def _(grads, world, dtype, scale):
+    device = grads[0].device if grads else torch.device("cpu")
+    return torch.empty(world * sum(reference.chunk_numel(g.shape, world) for g in grads), dtype=dtype, device=device)
+
+
+# --- reduce-scatter copy-out --------------------------------------------------------------------
+
+
+@torch.library.custom_op("simplefsdp::reduce_scatter_copy_out", mutates_args=())
+def reduce_scatter_copy_out(
+    reduced: torch.Tensor, chunks: list[int], dtype: torch.dtype, scale: float
+) -> list[torch.Tensor]:
+    """Each parameter's shard gradient `[chunk_i]` in `dtype` (times `scale`) from this rank's reduced slot."""
+    _check_tensors("reduced", [reduced])
+    _check_dtype("dtype", dtype)
+    _check_chunks(chunks, None)
+    if reduced.numel() != sum(chunks):
+        raise ValueError(f"reduced has {reduced.numel()} elements; the chunks add up to {sum(chunks)}")
+    if not _use_triton(reduced):
+        return reference.reduce_scatter_copy_out(reduced, chunks, dtype, scale)
+    from simplefsdp.kernels import triton_copy
+
+    outs = [torch.empty(c, dtype=dtype, device=reduced.device) for c in chunks]
+    triton_copy.unpack(reduced, list(chunks), outs, rows=1, scale=scale)
+    return outs
+
+
+@reduce_scatter_copy_out.register_fake
+def _(reduced, chunks, dtype, scale):
+    return [reduced.new_empty(c, dtype=dtype) for c in chunks]

@@ -1,0 +1,175 @@
+"""The bucket copy ops against their pure-torch specification, on CPU and through the Triton kernel.
+
+Triton runs in the CPU interpreter here (`TRITON_INTERPRET=1`, set before the kernel module is
+first imported) or on a GPU when there is one. Results are bit-exact, fp32 -> bf16 included
+(the kernel rounds with integer arithmetic, see `triton_copy.py`); the one exception is a
+down-cast to fp16 in the interpreter, which may differ by 1 ulp (DESIGN.md) and is checked to
+be within 1 ulp.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import simplefsdp.kernels  # noqa: F401  (registers torch.ops.simplefsdp.*)
+from simplefsdp.kernels import reference
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+CUDA = torch.cuda.is_available()
+
+
+@st.composite
+def buckets(draw):
+    world = draw(st.sampled_from([1, 2, 3, 4, 7, 8, 16, 64]))
+    shapes = draw(
+        st.lists(st.tuples(st.integers(0, 70), st.integers(1, 5)).map(lambda t: t if t[1] > 1 else (t[0],)), max_size=5)
+    )
+    src = draw(st.sampled_from(DTYPES))
+    dst = draw(st.sampled_from(DTYPES))
+    rank = draw(st.integers(0, world - 1))
+    seed = draw(st.integers(0, 2**16))
+    return world, rank, [tuple(s) for s in shapes], src, dst, seed
+
+
+def _params(shapes, dtype, seed, device="cpu"):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(s, generator=gen).to(dtype).to(device) for s in shapes]
+
+
+def _shard(full: torch.Tensor, world: int, rank: int) -> torch.Tensor:
+    rows = math.ceil(full.shape[0] / world)
+    return full[rank * rows : (rank + 1) * rows].contiguous()
+
+
+def _chunks(shapes, world):
+    return [reference.chunk_numel(s, world) for s in shapes]
+
+
+@settings(max_examples=150, deadline=None)
+@given(bucket=buckets())
+def test_all_gather_round_trip_over_all_ranks(bucket):
+    """copy_out(all_gather(copy_in(shards))) == the full parameters, cast."""
+    world, _, shapes, src, dst, seed = bucket
+    fulls = _params(shapes, src, seed)
+    chunks = _chunks(shapes, world)
+    slots = [
+        torch.ops.simplefsdp.all_gather_copy_in([_shard(f, world, r) for f in fulls], chunks, dst) for r in range(world)
+    ]
+    gathered = torch.cat(slots)  # what all_gather_into_tensor produces
+    outs = torch.ops.simplefsdp.all_gather_copy_out(gathered, chunks, [f.numel() for f in fulls], world)
+    for out, full in zip(outs, fulls, strict=True):
+        assert torch.equal(out.view(full.shape), full.to(dst))
+
+
+@settings(max_examples=150, deadline=None)
+@given(bucket=buckets(), scale=st.sampled_from([1.0, 0.5, 1 / 3]))
+def test_reduce_scatter_copy_in_is_chunk_cat(bucket, scale):
+    world, _, shapes, src, dst, seed = bucket
+    grads = _params(shapes, src, seed)
+    out = torch.ops.simplefsdp.reduce_scatter_copy_in(grads, world, dst, scale)
+    scaled = [(g.float() * scale).to(dst) if scale != 1.0 else g.to(dst) for g in grads]
+    if grads and all(g.numel() for g in grads):  # torch._chunk_cat rejects empty tensors
+        assert torch.equal(out, torch._chunk_cat(scaled, dim=0, num_chunks=world).reshape(-1))
+    else:
+        assert torch.equal(out, reference.reduce_scatter_copy_in(grads, world, dst, scale))
+    chunks = _chunks(shapes, world)
+    shard_grads = torch.ops.simplefsdp.reduce_scatter_copy_out(out.view(world, -1)[0].contiguous(), chunks, src, 1.0)
+    for g, shard, chunk in zip(scaled, shard_grads, chunks, strict=True):
+        assert torch.equal(shard[: min(chunk, g.numel())], g.reshape(-1)[:chunk].to(src))
+
+
+def test_bad_inputs_are_named():
+    x = torch.randn(4, 4)
+    with pytest.raises(ValueError, match=r"shards\[1\] has dtype torch.int64"):
+        torch.ops.simplefsdp.all_gather_copy_in([x, torch.ones(3, dtype=torch.long)], [16, 3], torch.bfloat16)
+    with pytest.raises(ValueError, match=r"shards\[0\] has 16 elements, more than its chunk of 8"):
+        torch.ops.simplefsdp.all_gather_copy_in([x], [8], torch.bfloat16)
+    with pytest.raises(ValueError, match=r"grads\[0\] .* must be contiguous"):
+        torch.ops.simplefsdp.reduce_scatter_copy_in([x.t()], 2, torch.float32, 1.0)
+    with pytest.raises(ValueError, match="gathered has 16 elements; world 2 x bucket 4 expected"):
+        torch.ops.simplefsdp.all_gather_copy_out(x.reshape(-1), [4], [8], 2)
+    with pytest.raises(ValueError, match="got 2 chunk sizes for 1 tensors"):
+        torch.ops.simplefsdp.all_gather_copy_in([x], [16, 1], torch.float32)
+
+
+def test_ops_trace_under_compile():
+    @torch.compile(backend="aot_eager", fullgraph=True)
+    def step(a, b):
+        flat = torch.ops.simplefsdp.all_gather_copy_in([a, b], [12, 4], torch.bfloat16)
+        return torch.ops.simplefsdp.all_gather_copy_out(flat, [12, 4], [12, 3], 1)
+
+    a, b = torch.randn(3, 4), torch.randn(3)
+    out = step(a, b)
+    assert torch.equal(out[0], a.reshape(-1).bfloat16())
+    assert torch.equal(out[1], b.bfloat16())
+
+
+# --- the Triton kernel ----------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def triton_device():
+    """The device the Triton path runs on (the GPU, or the CPU through the interpreter), and a
+    count of kernel launches, so the test can tell the Triton path really ran."""
+    with pytest.MonkeyPatch.context() as patch:
+        if not CUDA:
+            patch.setenv("TRITON_INTERPRET", "1")
+            patch.setenv("SIMPLEFSDP_TRITON_ON_CPU", "1")
+        from simplefsdp.kernels import triton_copy
+
+        importlib.reload(triton_copy)  # decorate the kernels in interpreter mode
+        launches = []
+        launch = triton_copy._launch
+
+        def counted(*args, **kwargs):
+            launches.append(1)
+            return launch(*args, **kwargs)
+
+        patch.setattr(triton_copy, "_launch", counted)
+        yield ("cuda" if CUDA else "cpu"), launches
+
+
+def _close_or_one_ulp(actual: torch.Tensor, expected: torch.Tensor, interpreter: bool) -> None:
+    if expected.dtype == torch.float16 and interpreter:
+        diff = (actual.view(torch.int16).int() - expected.view(torch.int16).int()).abs()
+        assert diff.max().item() <= 1 if diff.numel() else True
+    else:
+        assert torch.equal(actual, expected)
+
+
+@settings(max_examples=40, deadline=None)
+@given(bucket=buckets(), scale=st.sampled_from([1.0, 0.25, 1 / 3]))
+def test_triton_matches_reference(triton_device, bucket, scale):
+    triton_device, launches = triton_device
+    launched_before = len(launches)
+    world, rank, shapes, src, dst, seed = bucket
+    interpreter = triton_device == "cpu"
+    fulls = _params(shapes, src, seed)
+    chunks = _chunks(shapes, world)
+    shards = [_shard(f, world, rank) for f in fulls]
+    on = [t.to(triton_device) for t in shards]
+    got = torch.ops.simplefsdp.all_gather_copy_in(on, chunks, dst).cpu()
+    _close_or_one_ulp(got, reference.all_gather_copy_in(shards, chunks, dst), interpreter)
+
+    gathered = torch.cat(
+        [reference.all_gather_copy_in([_shard(f, world, r) for f in fulls], chunks, src) for r in range(world)]
+    )
+    numels = [f.numel() for f in fulls]
+    got = torch.ops.simplefsdp.all_gather_copy_out(gathered.to(triton_device), chunks, numels, world)
+    for g, e in zip(got, reference.all_gather_copy_out(gathered, chunks, numels, world), strict=True):
+        assert torch.equal(g.cpu(), e)
+
+    got = torch.ops.simplefsdp.reduce_scatter_copy_in([f.to(triton_device) for f in fulls], world, dst, scale).cpu()
+    _close_or_one_ulp(got, reference.reduce_scatter_copy_in(fulls, world, dst, scale), interpreter)
+
+    slot = reference.reduce_scatter_copy_in(fulls, world, src, 1.0).view(world, -1)[rank].contiguous()
+    got = torch.ops.simplefsdp.reduce_scatter_copy_out(slot.to(triton_device), chunks, dst, scale)
+    for g, e in zip(got, reference.reduce_scatter_copy_out(slot, chunks, dst, scale), strict=True):
+        _close_or_one_ulp(g.cpu(), e, interpreter)
+    assert len(launches) > launched_before or not shapes, "the Triton path must have been taken"
