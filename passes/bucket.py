@@ -1,25 +1,27 @@
 """Apply a bucket plan: merge each bucket's collectives into one collective on a flat buffer.
 
-All-gather bucket (members `x_i`, this rank's shards, `n_i` elements each, same group and dtype):
+All-gather bucket (members: this rank's shards `x_i`, before the cast to the gather dtype and the
+zero pad of a short last shard; `chunk_i` elements each once padded):
 
-    flat = cat([x_1.reshape(-1), ..., x_k.reshape(-1)])        # [N]          copy-in
-    out  = wait(all_gather_into_tensor(flat, world, group))     # [world * N]
-    x_i_full = out.view(world, N)[:, off_i : off_i + n_i]       # [world, n_i] copy-out
-                  .reshape(world * rows_i, *rest_i)             # what the member's wait returned
+    flat = all_gather_copy_in([x_i ...], chunks, dtype)          # [N]: cast + pad + concat, one pass
+    out  = wait(all_gather_into_tensor(flat, world, group))       # [world * N]
+    full = all_gather_copy_out(out, chunks, world * chunks, world) # each [world * chunk_i], reshaped
+                                                                   # like the member's wait result
 
-Reduce-scatter bucket (members `y_i`, full gradients `[world * rows_i, *rest_i]`):
+Reduce-scatter bucket (members: full gradients `g_i`, before the cast to the reduce dtype and the
+zero pad of dim 0 to a multiple of world):
 
-    flat = cat([y_i.reshape(world, n_i) ...], dim=1).reshape(-1)   # [world * N], rank chunks interleaved
+    flat = reduce_scatter_copy_in([g_i ...], world, dtype, 1.0)  # [world * N], rank chunks interleaved
     out  = wait(reduce_scatter_tensor(flat, op, world, group))     # [N]
-    y_i_shard = out[off_i : off_i + n_i].reshape(rows_i, *rest_i)
+    shards = reduce_scatter_copy_out(out, chunks, dtype, 1.0)      # each [chunk_i], reshaped
 
-Both are pure data movement around the same collective, so results are bitwise equal to the
-unbucketed graph; bytes moved are preserved (the sum of the members'). The merged collective is
-placed where the bucket's first all-gather (last reduce-scatter) was, unless a member's input depends
-on another member's result (then merging would form a cycle and the bucket is left as it is), then a stable topological
-sort moves anything that depends on it after it. Copy-in / copy-out are plain aten ops here; the
-kernels issue replaces them with fused Triton ops. All-reduce buckets are the same as
-reduce-scatter ones without the interleave.
+All-reduce buckets are the world-1 layout of the same ops. The four ops are simplefsdp's custom
+ops (`kernels/`: Triton on GPU, torch on CPU); they only move, cast and pad, exactly as the
+nodes they replace did, so results are bitwise equal to the unbucketed graph and bytes on the wire
+are the members' sum. The merged collective is placed where the bucket's first all-gather (last
+reduce-scatter) was, unless a member's input depends on another member's result (merging would
+form a cycle: the bucket is left as it is); a stable topological sort then moves what depends on it
+after it.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import fx
 
+import simplefsdp.kernels  # noqa: F401  (registers torch.ops.simplefsdp.*, the copy-in / copy-out ops)
 from simplefsdp._compat import stable_topological_sort, tree_leaves
 from simplefsdp.passes.collectives import search
 from simplefsdp.passes.detect import FsdpAllGather, FsdpReduction
@@ -40,15 +43,16 @@ __all__ = ["apply_all_gather_buckets", "apply_reduction_buckets", "independent"]
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
+simplefsdp_ops = torch.ops.simplefsdp  # registered by simplefsdp.kernels
 
 
-def _call(graph: fx.Graph, target, *args) -> fx.Node:
-    """Add `target(*args)` and fill `meta["val"]` by running it on the arguments' fake values."""
-    node = graph.call_function(target, args)
-    vals = fx.node.map_arg(args, lambda n: n.meta["val"])
+def _call(graph: fx.Graph, target, *args, **kwargs) -> fx.Node:
+    """Add `target(*args, **kwargs)` and fill `meta["val"]` by running it on the arguments' fake values."""
+    node = graph.call_function(target, args, kwargs)
+    vals, kwvals = fx.node.map_arg((args, kwargs), lambda n: n.meta["val"])
     fake_mode = next(v.fake_mode for v in tree_leaves(vals) if hasattr(v, "fake_mode"))
     with fake_mode:
-        node.meta["val"] = target(*vals)
+        node.meta["val"] = target(*vals, **kwvals)
     return node
 
 
@@ -77,69 +81,108 @@ def _apply(
     graph: fx.Graph,
     items: Sequence[Member],
     buckets: Sequence[Bucket],
-    merge: Callable[[fx.Graph, list[Member]], list[fx.Node]],
+    merge: Callable[[fx.Graph, list[Member]], tuple[list[fx.Node], list[fx.Node]]],
 ) -> int:
     """For each mergeable bucket, `merge` builds the merged collective and returns one replacement per
-    member (the value its wait produced); the members are then removed. Returns collectives removed."""
+    member (the value its wait produced) and the cast / pad nodes it made redundant; the members
+    and those nodes are then removed. Returns collectives removed."""
     removed = 0
     for bucket in buckets:
         members = [items[i] for i in bucket.members]
         if len(members) < 2 or not independent(members):
             continue
-        for member, replacement in zip(members, merge(graph, members), strict=True):
+        replacements, prep = merge(graph, members)
+        for member, replacement in zip(members, replacements, strict=True):
             member.wait.replace_all_uses_with(replacement)
         for member in members:
             graph.erase_node(member.wait)
             graph.erase_node(member.collective)
+        _erase_dead(graph, prep)
         removed += len(members) - 1
     stable_topological_sort(graph)
     return removed
 
 
-def _split_out(graph: fx.Graph, flat: fx.Node, sizes: list[int], dim: int, members: list[Member]) -> list[fx.Node]:
-    """Split `flat` along `dim` into `sizes` and reshape each piece like the member's original result."""
-    pieces = _call(graph, aten.split_with_sizes.default, flat, sizes, dim)
+_CAST_OR_PAD = {
+    torch.ops.prims.convert_element_type.default,
+    aten._to_copy.default,
+    aten.constant_pad_nd.default,
+}
+
+
+def _unprepared(node: fx.Node) -> tuple[fx.Node, list[fx.Node]]:
+    """The tensor `node` was cast / zero-padded from, and those single-use cast / pad nodes: the
+    bucket copy-in ops do both themselves, in the same pass over memory."""
+    chain = []
+    while node.op == "call_function" and node.target in _CAST_OR_PAD and len(node.users) == 1:
+        if node.target is aten.constant_pad_nd.default and (len(node.args) > 2 and node.args[2] != 0):
+            break  # only zero padding is what the copy-in ops do
+        chain.append(node)
+        node = node.args[0]
+    return node, chain
+
+
+def _contiguous(graph: fx.Graph, node: fx.Node) -> fx.Node:
+    if node.meta["val"].is_contiguous():
+        return node
+    return _call(graph, aten.clone.default, node, memory_format=torch.contiguous_format)
+
+
+def _unpack(graph: fx.Graph, pieces: fx.Node, members: list[Member]) -> list[fx.Node]:
+    """Each flat piece reshaped like the member's original result."""
     return [
         _call(graph, aten.reshape.default, _getitem(graph, pieces, i), _shape(member.wait))
         for i, member in enumerate(members)
     ]
 
 
-def _merge_all_gathers(graph: fx.Graph, members: list[FsdpAllGather]) -> list[fx.Node]:
+def _erase_dead(graph: fx.Graph, nodes: list[fx.Node]) -> None:
+    for node in nodes:  # each chain runs from the collective back to its source
+        if not node.users:
+            graph.erase_node(node)
+
+
+def _merge_all_gathers(graph: fx.Graph, members: list[FsdpAllGather]) -> tuple[list[fx.Node], list[fx.Node]]:
+    # [Note: rank-independent placement] A rank holding a smaller shard of an uneven parameter pads
+    # it before gathering; that pad sits wherever the parameter is first used. The copy-in op pads
+    # (and casts) itself, reading the graph inputs directly, so the merged collective depends only
+    # on graph inputs and lands at the same place on every rank.
     world, group = members[0].group_size, members[0].group_name
-    # [Note: rank-independent placement] Ranks holding a smaller shard of an uneven parameter pad
-    # it first, and that pad node sits wherever the parameter is first used. Left there, it would
-    # drag the merged collective to a rank-dependent position (ranks would then issue collectives in
-    # different orders: a mismatch). The cast / pad chains read only graph inputs, so they move up
-    # to the merged collective on every rank.
-    anchor = members[0].collective
-    for member in members:
-        for node in member.prep:
-            anchor.prepend(node)
-    inputs = [m.collective.args[0] for m in members]
-    sizes = [math.prod(_shape(x)) for x in inputs]
+    sent = [m.collective.args[0] for m in members]
+    chunks = [math.prod(_shape(x)) for x in sent]
+    dtype = sent[0].meta["val"].dtype
+    chains = [_unprepared(x) for x in sent]
     with graph.inserting_before(members[0].collective):
-        flat = _call(graph, aten.cat.default, [_call(graph, aten.reshape.default, x, [-1]) for x in inputs])
+        shards = [_call(graph, aten.reshape.default, _contiguous(graph, src), [-1]) for src, _ in chains]
+        flat = _call(graph, simplefsdp_ops.all_gather_copy_in.default, shards, chunks, dtype)
         gathered = _call(graph, c10d.all_gather_into_tensor.default, flat, world, group)
-        per_rank = _call(graph, aten.reshape.default, _call(graph, c10d.wait_tensor.default, gathered), [world, -1])
-        return _split_out(graph, per_rank, sizes, 1, members)
+        waited = _call(graph, c10d.wait_tensor.default, gathered)
+        numels = [world * c for c in chunks]  # the padded full tensors; the graph strips padding after
+        pieces = _call(graph, simplefsdp_ops.all_gather_copy_out.default, waited, chunks, numels, world)
+        out = _unpack(graph, pieces, members)
+    return out, [node for _, chain in chains for node in chain]
 
 
-def _merge_reductions(graph: fx.Graph, members: list[FsdpReduction]) -> list[fx.Node]:
+def _merge_reductions(graph: fx.Graph, members: list[FsdpReduction]) -> tuple[list[fx.Node], list[fx.Node]]:
     first = members[0]
     world, group, op = first.group_size, first.group_name, first.reduce_op
-    inputs = [m.collective.args[0] for m in members]
+    sent = [m.collective.args[0] for m in members]
+    dtype = sent[0].meta["val"].dtype
     scatter = first.kind == "reduce_scatter"
-    sizes = [math.prod(_shape(x)) // (world if scatter else 1) for x in inputs]
+    chains = [_unprepared(x) for x in sent]
     with graph.inserting_before(members[-1].collective):
-        if scatter:  # interleave rank chunks: [world, N], row r holds every member's chunk for rank r
-            rows = [_call(graph, aten.reshape.default, x, [world, n]) for x, n in zip(inputs, sizes, strict=True)]
-            flat = _call(graph, aten.reshape.default, _call(graph, aten.cat.default, rows, 1), [-1])
+        grads = [_contiguous(graph, src) for src, _ in chains]
+        # an all-reduce bucket is the world-1 layout: plain concatenation
+        flat = _call(graph, simplefsdp_ops.reduce_scatter_copy_in.default, grads, world if scatter else 1, dtype, 1.0)
+        if scatter:
             reduced = _call(graph, c10d.reduce_scatter_tensor.default, flat, op, world, group)
         else:
-            flat = _call(graph, aten.cat.default, [_call(graph, aten.reshape.default, x, [-1]) for x in inputs])
             reduced = _call(graph, c10d.all_reduce.default, flat, op, group)
-        return _split_out(graph, _call(graph, c10d.wait_tensor.default, reduced), sizes, 0, members)
+        chunks = [math.prod(_shape(x)) // (world if scatter else 1) for x in sent]
+        waited = _call(graph, c10d.wait_tensor.default, reduced)
+        pieces = _call(graph, simplefsdp_ops.reduce_scatter_copy_out.default, waited, chunks, dtype, 1.0)
+        out = _unpack(graph, pieces, members)
+    return out, [node for _, chain in chains for node in chain]
 
 
 def apply_all_gather_buckets(graph: fx.Graph, gathers: Sequence[FsdpAllGather], buckets: Sequence[Bucket]) -> int:

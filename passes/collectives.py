@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterable
 import torch
 from torch import fx
 
+import simplefsdp.kernels  # noqa: F401  (registers torch.ops.simplefsdp.*)
 from simplefsdp._compat import OpOverload, OpOverloadPacket
 
 __all__ = [
@@ -79,6 +80,11 @@ _PASSTHROUGH_TARGETS = {
     torch.ops.aten.cat.default,
     torch.ops.prims.convert_element_type.default,
     operator.getitem,
+    # simplefsdp's bucket copy ops (kernels/): move, cast and pad only
+    torch.ops.simplefsdp.all_gather_copy_in.default,
+    torch.ops.simplefsdp.all_gather_copy_out.default,
+    torch.ops.simplefsdp.reduce_scatter_copy_in.default,
+    torch.ops.simplefsdp.reduce_scatter_copy_out.default,
 }
 
 

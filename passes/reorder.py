@@ -16,7 +16,7 @@ would otherwise hold more than the memory budget.
 Only cheap data-movement ops move with a collective: the launch chain of an all-gather (its
 casts, pads, reshapes and the bucket's concat, back to graph inputs), the launch chain of a
 reduction (its casts, reshapes and concat, back to the ops that computed the gradients) and a
-wait's landing chain (the views that unpack a bucket). An all-gather whose input depends on real
+wait's landing chain (the copy-out and views that unpack a bucket). An all-gather whose input depends on real
 compute (not a parameter's shard) is not prefetched. So a move never drags compute across the
 graph and every move keeps the graph topologically sorted.
 
@@ -71,11 +71,14 @@ def _is_data_movement(node: fx.Node) -> bool:
     return passes_value_through(node) or node.target in _PREP_EXTRA
 
 
+_COPY_OUT = {torch.ops.simplefsdp.all_gather_copy_out.default, torch.ops.simplefsdp.reduce_scatter_copy_out.default}
+
+
 def _is_unpack(node: fx.Node) -> bool:
-    """A view that unpacks a waited result (`reshape`, `split_with_sizes`, `getitem`, `slice`, ...)."""
+    """An op that unpacks a waited result: a view (`reshape`, `getitem`, `slice`, ...) or a bucket copy-out."""
     if node.op != "call_function":
         return False
-    return node.target is operator.getitem or bool(getattr(node.target, "is_view", False))
+    return node.target is operator.getitem or node.target in _COPY_OUT or bool(getattr(node.target, "is_view", False))
 
 
 def _positions(graph: fx.Graph) -> dict[fx.Node, int]:

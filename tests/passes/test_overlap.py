@@ -76,6 +76,13 @@ def test_default_plan_one_collective_per_block_plus_rest(step):
     assert fwd["all_gather"] == L8.n_layers + 1
     assert bwd["all_gather"] == L8.n_layers + 1, "FULL_SHARD re-gathers, bucketed the same way"
     assert bwd["reduce_scatter"] == L8.n_layers + 1
+    ops = torch.ops.simplefsdp
+    for graph, copy_in, copy_out in [
+        (forward, ops.all_gather_copy_in.default, ops.all_gather_copy_out.default),
+        (backward, ops.reduce_scatter_copy_in.default, ops.reduce_scatter_copy_out.default),
+    ]:
+        targets = [n.target for n in graph.nodes]
+        assert targets.count(copy_in) == targets.count(copy_out) == L8.n_layers + 1, "the fused copy ops, per bucket"
 
 
 def _events(graph: fx.Graph) -> list[tuple[str, str]]:
@@ -97,8 +104,8 @@ _LAUNCHES = "all_gather_into_tensor|reduce_scatter_tensor"
 def _code_events(code: str) -> list[tuple[str, str]]:
     """The same events read from inductor's generated `call()` ("mm": an `extern_kernels.mm` call).
 
-    Only matmuls count as compute here: the CPU backend fuses a prefetched bucket's copy-in (a
-    pointwise concat of its shards) into the previous bucket's first pointwise kernel, so the
+    Only matmuls count as compute here: on the CPU backend inductor may schedule the previous
+    bucket's first pointwise kernel (e.g. embedding + norm) ahead of the prefetched launch, so the
     launch lands after that one kernel -- still before every matmul of the bucket it overlaps.
     """
     events = []
