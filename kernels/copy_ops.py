@@ -51,6 +51,33 @@ def _check_chunks(chunks: Sequence[int], n: int | None) -> None:
         raise ValueError(f"chunk sizes must be >= 0; chunks{bad} are negative")
 
 
+# [Note: CPU implementations] The CPU paths write each output element once: `copy_` casts while
+# copying into the output slot (as FSDP2's copy-in does, without its separate cast), all-gather
+# copy-out is `split_with_sizes_copy` straight into the outputs, reduce-scatter copy-in is
+# `_chunk_cat` writing (and casting) into the output. `reference.py` stays the specification the
+# tests compare them with.
+def _cpu_all_gather_copy_in(shards: list[torch.Tensor], chunks: list[int], dtype: torch.dtype) -> torch.Tensor:
+    device = shards[0].device if shards else torch.device("cpu")
+    out = torch.empty(sum(chunks), dtype=dtype, device=device)
+    offset = 0
+    for shard, chunk in zip(shards, chunks, strict=True):
+        n = shard.numel()
+        out.narrow(0, offset, n).copy_(shard.reshape(-1))
+        out.narrow(0, offset + n, chunk - n).zero_()
+        offset += chunk
+    return out
+
+
+def _cpu_reduce_scatter_copy_in(grads: list[torch.Tensor], world: int, dtype: torch.dtype) -> torch.Tensor:
+    chunks = [reference.chunk_numel(g.shape, world) for g in grads]
+    device = grads[0].device if grads else torch.device("cpu")
+    out = torch.empty(world, sum(chunks), dtype=dtype, device=device)
+    nonempty = [g.reshape(-1) if g.dim() == 0 else g for g in grads if g.numel()]  # _chunk_cat rejects empties
+    if nonempty:
+        torch._chunk_cat(nonempty, dim=0, num_chunks=world, out=out)
+    return out.view(-1)
+
+
 # --- all-gather copy-in -------------------------------------------------------------------------
 
 
@@ -64,7 +91,7 @@ def all_gather_copy_in(shards: list[torch.Tensor], chunks: list[int], dtype: tor
         if s.numel() > c:
             raise ValueError(f"shards[{i}] has {s.numel()} elements, more than its chunk of {c}")
     if not shards or not _use_triton(shards[0]):
-        return reference.all_gather_copy_in(shards, chunks, dtype)
+        return _cpu_all_gather_copy_in(shards, chunks, dtype)
     from simplefsdp.kernels import triton_copy
 
     out = torch.empty(sum(chunks), dtype=dtype, device=shards[0].device)
@@ -92,7 +119,9 @@ def all_gather_copy_out(gathered: torch.Tensor, chunks: list[int], numels: list[
         if not 0 <= n <= world * c:
             raise ValueError(f"numels[{i}] = {n} does not fit {world} chunks of {c}")
     if not _use_triton(gathered):
-        return reference.all_gather_copy_out(gathered, chunks, numels, world)
+        outs = [gathered.new_empty(world, c) for c in chunks]
+        torch.split_with_sizes_copy(gathered.view(world, -1), list(chunks), dim=1, out=outs)
+        return [out.view(-1)[:n] for out, n in zip(outs, numels, strict=True)]
     from simplefsdp.kernels import triton_copy
 
     outs = [torch.empty(n, dtype=gathered.dtype, device=gathered.device) for n in numels]
@@ -116,7 +145,9 @@ def reduce_scatter_copy_in(grads: list[torch.Tensor], world: int, dtype: torch.d
     if world < 1:
         raise ValueError(f"world must be >= 1, got {world}")
     if not grads or not _use_triton(grads[0]):
-        return reference.reduce_scatter_copy_in(grads, world, dtype, scale)
+        if scale != 1.0:
+            return reference.reduce_scatter_copy_in(grads, world, dtype, scale)
+        return _cpu_reduce_scatter_copy_in(grads, world, dtype)
     from simplefsdp.kernels import triton_copy
 
     chunks = [reference.chunk_numel(g.shape, world) for g in grads]

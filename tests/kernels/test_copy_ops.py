@@ -58,13 +58,17 @@ def test_all_gather_round_trip_over_all_ranks(bucket):
     world, _, shapes, src, dst, seed = bucket
     fulls = _params(shapes, src, seed)
     chunks = _chunks(shapes, world)
-    slots = [
-        torch.ops.simplefsdp.all_gather_copy_in([_shard(f, world, r) for f in fulls], chunks, dst) for r in range(world)
-    ]
-    gathered = torch.cat(slots)  # what all_gather_into_tensor produces
+    copy_in = torch.ops.simplefsdp.all_gather_copy_in
+    gathered = torch.cat([copy_in([_shard(f, world, r) for f in fulls], chunks, dst) for r in range(world)])
     outs = torch.ops.simplefsdp.all_gather_copy_out(gathered, chunks, [f.numel() for f in fulls], world)
     for out, full in zip(outs, fulls, strict=True):
         assert torch.equal(out.view(full.shape), full.to(dst))
+    # the CPU implementations against the specification, piece by piece
+    shards = [_shard(f, world, 0) for f in fulls]
+    assert torch.equal(copy_in(shards, chunks, dst), reference.all_gather_copy_in(shards, chunks, dst))
+    numels = [f.numel() for f in fulls]
+    for got, want in zip(outs, reference.all_gather_copy_out(gathered, chunks, numels, world), strict=True):
+        assert torch.equal(got, want)
 
 
 @settings(max_examples=150, deadline=None)
@@ -73,6 +77,7 @@ def test_reduce_scatter_copy_in_is_chunk_cat(bucket, scale):
     world, _, shapes, src, dst, seed = bucket
     grads = _params(shapes, src, seed)
     out = torch.ops.simplefsdp.reduce_scatter_copy_in(grads, world, dst, scale)
+    assert torch.equal(out, reference.reduce_scatter_copy_in(grads, world, dst, scale))
     scaled = [(g.float() * scale).to(dst) if scale != 1.0 else g.to(dst) for g in grads]
     if grads and all(g.numel() for g in grads):  # torch._chunk_cat rejects empty tensors
         assert torch.equal(out, torch._chunk_cat(scaled, dim=0, num_chunks=world).reshape(-1))
