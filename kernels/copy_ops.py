@@ -21,7 +21,13 @@ import torch
 
 from simplefsdp.kernels import reference
 
-__all__ = ["all_gather_copy_in", "all_gather_copy_out", "reduce_scatter_copy_in", "reduce_scatter_copy_out"]
+__all__ = [
+    "all_gather_copy_in",
+    "all_gather_copy_out",
+    "reduce_scatter_copy_in",
+    "reduce_scatter_copy_out",
+    "reduce_scatter_copy_out_accumulate",
+]
 
 _FLOAT = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -187,3 +193,31 @@ def reduce_scatter_copy_out(
 @reduce_scatter_copy_out.register_fake
 def _(reduced, chunks, dtype, scale):
     return [reduced.new_empty(c, dtype=dtype) for c in chunks]
+
+
+@torch.library.custom_op("simplefsdp::reduce_scatter_copy_out_accumulate", mutates_args=())
+def reduce_scatter_copy_out_accumulate(
+    reduced: torch.Tensor, chunks: list[int], scale: float, accumulate_into: list[torch.Tensor]
+) -> list[torch.Tensor]:
+    """`accumulate_into[i]` plus its shard gradient from the reduced slot (times `scale`), in its dtype and shape."""
+    _check_tensors("reduced", [reduced])
+    _check_tensors("accumulate_into", accumulate_into)
+    _check_chunks(chunks, len(accumulate_into))
+    if reduced.numel() != sum(chunks):
+        raise ValueError(f"reduced has {reduced.numel()} elements; the chunks add up to {sum(chunks)}")
+    for i, (acc, c) in enumerate(zip(accumulate_into, chunks, strict=True)):
+        if acc.numel() != c:
+            raise ValueError(f"accumulate_into[{i}] has {acc.numel()} elements; its chunk has {c}")
+    if not _use_triton(reduced):
+        return reference.reduce_scatter_copy_out_accumulate(reduced, chunks, scale, accumulate_into)
+    from simplefsdp.kernels import triton_copy
+
+    outs = [torch.empty_like(acc) for acc in accumulate_into]
+    flat = [acc.reshape(-1) for acc in accumulate_into]
+    triton_copy.unpack(reduced, list(chunks), [o.view(-1) for o in outs], rows=1, scale=scale, accumulate=flat)
+    return outs
+
+
+@reduce_scatter_copy_out_accumulate.register_fake
+def _(reduced, chunks, scale, accumulate_into):
+    return [torch.empty_like(acc) for acc in accumulate_into]

@@ -13,7 +13,9 @@ multiple of `world`, as DTensor shards it):
   `dtype` (times `scale`, multiplied in fp32), each zero-padded to `world * chunk_i` and its rank chunks interleaved:
   `[world * sum(chunks)]`, rank r's slot holding every gradient's chunk r (`torch._chunk_cat`'s layout).
 - `reduce_scatter_copy_out(reduced, chunks, dtype, scale)`: this rank's reduced slot `[sum(chunks)]`
-  -> each parameter's shard gradient `[chunk_i]` in `dtype` (times `scale`, multiplied in fp32).
+  -> each parameter's shard gradient `[chunk_i]` in `dtype` (times `scale`, multiplied in fp32);
+  `reduce_scatter_copy_out_accumulate(reduced, chunks, scale, grads)`: the same added to existing
+  gradients (`grads[i] + shard_i`, in `grads[i]`'s dtype and shape).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ __all__ = [
     "chunk_numel",
     "reduce_scatter_copy_in",
     "reduce_scatter_copy_out",
+    "reduce_scatter_copy_out_accumulate",
 ]
 
 
@@ -72,3 +75,11 @@ def reduce_scatter_copy_out(
     reduced: torch.Tensor, chunks: Sequence[int], dtype: torch.dtype, scale: float = 1.0
 ) -> list[torch.Tensor]:
     return [_cast(piece, dtype, scale) for piece in reduced.split(list(chunks))]
+
+
+def reduce_scatter_copy_out_accumulate(
+    reduced: torch.Tensor, chunks: Sequence[int], scale: float, accumulate_into: Sequence[torch.Tensor]
+) -> list[torch.Tensor]:
+    """`accumulate_into[i] + reduce_scatter_copy_out(...)[i]`, each in `accumulate_into[i]`'s dtype."""
+    pieces = reduced.split(list(chunks))
+    return [acc + _cast(p, acc.dtype, scale).view(acc.shape) for p, acc in zip(pieces, accumulate_into, strict=True)]

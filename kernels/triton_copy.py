@@ -9,7 +9,10 @@ per-parameter flat tensor and a flat bucket buffer whose rows are `bucket` eleme
 with `rows = world` for the reduce-scatter copy-in and the all-gather copy-out and `rows = 1` for
 the other two. Each element is read once and written once; casts happen in registers.
 
-[Note: exact bf16 rounding] `fp32 -> bf16` is rounded to nearest-even with integer bit arithmetic
+With an accumulator, the op adds `acc + cast(x)` in fp32 and rounds once to the output dtype, as
+torch adds two tensors of that dtype.
+
+[Note: exact bf16 rounding] Every value written as bf16 is rounded to nearest-even with integer bit arithmetic
 (add 0x7FFF plus the kept lowest bit, drop 16 bits; NaNs stay NaN), so the result equals torch's
 `.to(torch.bfloat16)` both on a GPU and in the CPU interpreter (whose own float cast does not
 round that way, see DESIGN.md). Other down-casts (to fp16) use Triton's cast: exact on a GPU,
@@ -40,6 +43,7 @@ def _to_bf16_rtne(x):
 def _row_copy_kernel(
     src,
     dst,
+    acc,
     src_row_stride,
     src_offset,
     src_limit,
@@ -49,7 +53,8 @@ def _row_copy_kernel(
     row_len,
     scale,
     HAS_SCALE: tl.constexpr,
-    BF16_RTNE: tl.constexpr,
+    DST_BF16: tl.constexpr,
+    ACCUMULATE: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
@@ -57,24 +62,33 @@ def _row_copy_kernel(
     in_row = cols < row_len
     src_index = row * src_row_stride + src_offset + cols
     dst_index = row * dst_row_stride + dst_offset + cols
+    store = in_row & (dst_index < dst_limit)
     x = tl.load(src + src_index, mask=in_row & (src_index < src_limit), other=0.0)
     if HAS_SCALE:
         x = x.to(tl.float32) * scale
-    if BF16_RTNE:
+    if DST_BF16:
         y = _to_bf16_rtne(x.to(tl.float32))
     else:
         y = x.to(dst.dtype.element_ty)
-    tl.store(dst + dst_index, y, mask=in_row & (dst_index < dst_limit))
+    if ACCUMULATE:  # acc + y, computed in fp32 and rounded once, as torch adds two `dst`-dtype tensors
+        total = y.to(tl.float32) + tl.load(acc + dst_index, mask=store, other=0.0).to(tl.float32)
+        if DST_BF16:
+            y = _to_bf16_rtne(total)
+        else:
+            y = total.to(dst.dtype.element_ty)
+    tl.store(dst + dst_index, y, mask=store)
 
 
-def _launch(src, dst, *, rows, src_stride, src_offset, src_limit, dst_stride, dst_offset, dst_limit, row_len, scale):
+def _launch(
+    src, dst, *, rows, src_stride, src_offset, src_limit, dst_stride, dst_offset, dst_limit, row_len, scale, acc=None
+):
     if rows == 0 or row_len == 0:
         return
-    rtne = dst.dtype == torch.bfloat16 and (src.dtype != torch.bfloat16 or scale != 1.0)
     grid = (rows, triton.cdiv(row_len, _BLOCK))
     _row_copy_kernel[grid](
         src,
         dst,
+        dst if acc is None else acc,
         src_stride,
         src_offset,
         src_limit,
@@ -84,7 +98,8 @@ def _launch(src, dst, *, rows, src_stride, src_offset, src_limit, dst_stride, ds
         row_len,
         float(scale),
         HAS_SCALE=scale != 1.0,
-        BF16_RTNE=rtne,
+        DST_BF16=dst.dtype == torch.bfloat16,
+        ACCUMULATE=acc is not None,
         BLOCK=_BLOCK,
     )
 
@@ -98,10 +113,20 @@ def pack(srcs: list[torch.Tensor], chunks: list[int], out: torch.Tensor, *, rows
         offset += chunk
 
 
-def unpack(src: torch.Tensor, chunks: list[int], outs: list[torch.Tensor], *, rows: int, scale: float = 1.0) -> None:
-    """Each flat contiguous `outs[i]` <- its `rows` chunks of the flat bucket buffer `src` (the inverse of `pack`)."""
+def unpack(
+    src: torch.Tensor,
+    chunks: list[int],
+    outs: list[torch.Tensor],
+    *,
+    rows: int,
+    scale: float = 1.0,
+    accumulate: list[torch.Tensor] | None = None,
+) -> None:
+    """Each flat contiguous `outs[i]` <- its `rows` chunks of the flat bucket buffer `src` (the inverse
+    of `pack`), plus `accumulate[i]` (flat, contiguous, like `outs[i]`) if given."""
     bucket, offset = sum(chunks), 0
-    for out, chunk in zip(outs, chunks, strict=True):
+    accs = accumulate if accumulate is not None else [None] * len(outs)
+    for out, chunk, acc in zip(outs, chunks, accs, strict=True):
         _launch(src, out, rows=rows, src_stride=bucket, src_offset=offset, src_limit=src.numel(), dst_stride=chunk,
-                dst_offset=0, dst_limit=out.numel(), row_len=chunk, scale=scale)  # fmt: skip
+                dst_offset=0, dst_limit=out.numel(), row_len=chunk, scale=scale, acc=acc)  # fmt: skip
         offset += chunk

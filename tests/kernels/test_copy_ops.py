@@ -89,6 +89,18 @@ def test_reduce_scatter_copy_in_is_chunk_cat(bucket, scale):
         assert torch.equal(shard[: min(chunk, g.numel())], g.reshape(-1)[:chunk].to(src))
 
 
+def test_accumulate_adds_to_existing_gradients():
+    reduced = torch.randn(7)
+    accs = [torch.randn(3, dtype=torch.bfloat16), torch.randn(2, 2, dtype=torch.bfloat16)]
+    got = torch.ops.simplefsdp.reduce_scatter_copy_out_accumulate(reduced, [3, 4], 0.5, accs)
+    shards = torch.ops.simplefsdp.reduce_scatter_copy_out(reduced, [3, 4], torch.bfloat16, 0.5)
+    for g, acc, shard in zip(got, accs, shards, strict=True):
+        assert g.shape == acc.shape
+        assert torch.equal(g, acc + shard.view(acc.shape))
+    with pytest.raises(ValueError, match=r"accumulate_into\[1\] has 4 elements; its chunk has 3"):
+        torch.ops.simplefsdp.reduce_scatter_copy_out_accumulate(torch.randn(6), [3, 3], 1.0, accs)
+
+
 def test_bad_inputs_are_named():
     x = torch.randn(4, 4)
     with pytest.raises(ValueError, match=r"shards\[1\] has dtype torch.int64"):
@@ -176,5 +188,12 @@ def test_triton_matches_reference(triton_device, bucket, scale):
     slot = reference.reduce_scatter_copy_in(fulls, world, src, 1.0).view(world, -1)[rank].contiguous()
     got = torch.ops.simplefsdp.reduce_scatter_copy_out(slot.to(triton_device), chunks, dst, scale)
     for g, e in zip(got, reference.reduce_scatter_copy_out(slot, chunks, dst, scale), strict=True):
+        _close_or_one_ulp(g.cpu(), e, interpreter)
+
+    accs = [torch.randn(c, generator=torch.Generator().manual_seed(seed)).to(dst) for c in chunks]
+    got = torch.ops.simplefsdp.reduce_scatter_copy_out_accumulate(
+        slot.to(triton_device), chunks, scale, [a.to(triton_device) for a in accs]
+    )
+    for g, e in zip(got, reference.reduce_scatter_copy_out_accumulate(slot, chunks, scale, accs), strict=True):
         _close_or_one_ulp(g.cpu(), e, interpreter)
     assert len(launches) > launched_before or not shapes, "the Triton path must have been taken"
