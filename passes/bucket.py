@@ -13,9 +13,9 @@ zero pad of dim 0 to a multiple of world):
 
     flat = reduce_scatter_copy_in([g_i ...], world, dtype, 1.0)  # [world * N], rank chunks interleaved
     out  = wait(reduce_scatter_tensor(flat, op, world, group))     # [N]
-    shards = reduce_scatter_copy_out(out, chunks, dtype, 1.0)      # each [chunk_i], reshaped
+    shards = split(out, chunks)                                    # each [chunk_i], views, reshaped
 
-All-reduce buckets are the world-1 layout of the same ops. The four ops are simplefsdp's custom
+All-reduce buckets are the world-1 layout of the same ops. The copy ops are simplefsdp's custom
 ops (`kernels/`: Triton on GPU, torch on CPU); they only move, cast and pad, exactly as the
 nodes they replace did, so results are bitwise equal to the unbucketed graph and bytes on the wire
 are the members' sum. The merged collective is placed where the bucket's first all-gather (last
@@ -180,7 +180,9 @@ def _merge_reductions(graph: fx.Graph, members: list[FsdpReduction]) -> tuple[li
             reduced = _call(graph, c10d.all_reduce.default, flat, op, group)
         chunks = [math.prod(_shape(x)) // (world if scatter else 1) for x in sent]
         waited = _call(graph, c10d.wait_tensor.default, reduced)
-        pieces = _call(graph, simplefsdp_ops.reduce_scatter_copy_out.default, waited, chunks, dtype, 1.0)
+        # each shard is a contiguous run of the reduced slot, in the same dtype: views, no copy-out
+        # (the cast back to the master dtype stays where the graph has it)
+        pieces = _call(graph, aten.split_with_sizes.default, waited, chunks)
         out = _unpack(graph, pieces, members)
     return out, [node for _, chain in chains for node in chain]
 

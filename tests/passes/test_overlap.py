@@ -77,12 +77,13 @@ def test_default_plan_one_collective_per_block_plus_rest(step):
     assert bwd["all_gather"] == L8.n_layers + 1, "FULL_SHARD re-gathers, bucketed the same way"
     assert bwd["reduce_scatter"] == L8.n_layers + 1
     ops = torch.ops.simplefsdp
-    for graph, copy_in, copy_out in [
-        (forward, ops.all_gather_copy_in.default, ops.all_gather_copy_out.default),
-        (backward, ops.reduce_scatter_copy_in.default, ops.reduce_scatter_copy_out.default),
+    for graph, fused in [
+        (forward, [ops.all_gather_copy_in.default, ops.all_gather_copy_out.default]),
+        (backward, [ops.reduce_scatter_copy_in.default]),  # its copy-out is a view: no op
     ]:
         targets = [n.target for n in graph.nodes]
-        assert targets.count(copy_in) == targets.count(copy_out) == L8.n_layers + 1, "the fused copy ops, per bucket"
+        for op in fused:
+            assert targets.count(op) == L8.n_layers + 1, f"one {op} per bucket"
 
 
 def _events(graph: fx.Graph) -> list[tuple[str, str]]:
