@@ -155,7 +155,7 @@ def reduce_scatter_copy_in(grads: list[torch.Tensor], world: int, dtype: torch.d
     if world < 1:
         raise ValueError(f"world must be >= 1, got {world}")
     if not grads or not _use_triton(grads[0]):
-        if scale != 1.0:
+        if scale != 1.0 or len({g.dtype for g in grads}) > 1:  # _chunk_cat takes one input dtype
             return reference.reduce_scatter_copy_in(grads, world, dtype, scale)
         return _cpu_reduce_scatter_copy_in(grads, world, dtype)
     from simplefsdp.kernels import triton_copy

@@ -35,6 +35,7 @@ from torch import fx
 
 import simplefsdp.kernels  # noqa: F401  (registers torch.ops.simplefsdp.*, the copy-in / copy-out ops)
 from simplefsdp._compat import stable_topological_sort, tree_leaves
+from simplefsdp.kernels.reference import chunk_numel
 from simplefsdp.passes.collectives import search
 from simplefsdp.passes.detect import FsdpAllGather, FsdpReduction
 from simplefsdp.passes.plan import Bucket
@@ -110,13 +111,27 @@ _CAST_OR_PAD = {
 }
 
 
-def _unprepared(node: fx.Node) -> tuple[fx.Node, list[fx.Node]]:
+def _is_dim0_tail_pad(node: fx.Node) -> bool:
+    """A zero pad that only appends rows to dim 0: in flat order, zeros after the data."""
+    pad, value = node.args[1], (node.args[2] if len(node.args) > 2 else 0)
+    source = node.args[0].meta["val"]
+    return value == 0 and source.dim() > 0 and len(pad) == 2 * source.dim() and not any(pad[:-1])
+
+
+def _pads_to_world_multiple(node: fx.Node, world: int) -> bool:
+    """A dim-0 tail pad to exactly `world * chunk_numel` elements: what reduce_scatter_copy_in pads to."""
+    padded = math.prod(node.meta["val"].shape)
+    return _is_dim0_tail_pad(node) and padded == world * chunk_numel(node.args[0].meta["val"].shape, world)
+
+
+def _unprepared(node: fx.Node, *, pad_ok: Callable[[fx.Node], bool]) -> tuple[fx.Node, list[fx.Node]]:
     """The tensor `node` was cast / zero-padded from, and those single-use cast / pad nodes: the
-    bucket copy-in ops do both themselves, in the same pass over memory."""
+    bucket copy-in ops cast and pad themselves, in the same pass over memory. A pad is looked
+    through only if `pad_ok` says the copy-in op pads the same way."""
     chain = []
     while node.op == "call_function" and node.target in _CAST_OR_PAD and len(node.users) == 1:
-        if node.target is aten.constant_pad_nd.default and (len(node.args) > 2 and node.args[2] != 0):
-            break  # only zero padding is what the copy-in ops do
+        if node.target is aten.constant_pad_nd.default and not pad_ok(node):
+            break
         chain.append(node)
         node = node.args[0]
     return node, chain
@@ -151,7 +166,7 @@ def _merge_all_gathers(graph: fx.Graph, members: list[FsdpAllGather]) -> tuple[l
     sent = [m.collective.args[0] for m in members]
     chunks = [math.prod(_shape(x)) for x in sent]
     dtype = sent[0].meta["val"].dtype
-    chains = [_unprepared(x) for x in sent]
+    chains = [_unprepared(x, pad_ok=_is_dim0_tail_pad) for x in sent]  # copy-in pads each to its chunk
     with graph.inserting_before(members[0].collective):
         shards = [_call(graph, aten.reshape.default, _contiguous(graph, src), [-1]) for src, _ in chains]
         flat = _call(graph, simplefsdp_ops.all_gather_copy_in.default, shards, chunks, dtype)
@@ -169,7 +184,10 @@ def _merge_reductions(graph: fx.Graph, members: list[FsdpReduction]) -> tuple[li
     sent = [m.collective.args[0] for m in members]
     dtype = sent[0].meta["val"].dtype
     scatter = first.kind == "reduce_scatter"
-    chains = [_unprepared(x) for x in sent]
+    if scatter:
+        chains = [_unprepared(x, pad_ok=lambda n: _pads_to_world_multiple(n, world)) for x in sent]
+    else:  # an all-reduce bucket concatenates as they are: keep any pad
+        chains = [_unprepared(x, pad_ok=lambda n: False) for x in sent]
     with graph.inserting_before(members[-1].collective):
         grads = [_contiguous(graph, src) for src, _ in chains]
         # an all-reduce bucket is the world-1 layout: plain concatenation

@@ -38,8 +38,11 @@ def buckets(draw):
 
 
 def _params(shapes, dtype, seed, device="cpu"):
+    """Random tensors of `shapes`; every third one in fp32 whatever `dtype` is (buckets mix dtypes)."""
     gen = torch.Generator().manual_seed(seed)
-    return [torch.randn(s, generator=gen).to(dtype).to(device) for s in shapes]
+    return [
+        torch.randn(s, generator=gen).to(dtype if i % 3 else torch.float32).to(device) for i, s in enumerate(shapes)
+    ]
 
 
 def _shard(full: torch.Tensor, world: int, rank: int) -> torch.Tensor:

@@ -216,3 +216,33 @@ def test_gathers_on_different_process_groups_are_not_merged():
     graph_pass(g)
     assert graph_pass.merged == 0
     assert [n.args[2] for n in g.nodes if n.target is c10d.all_gather_into_tensor.default] == ["0", "1"]
+
+
+def test_only_dim0_tail_pads_are_folded_into_the_copy_in():
+    """The copy-in op pads each shard at its end (dim 0 rows); any other pad stays in the graph."""
+    from simplefsdp._compat import FakeTensorMode
+
+    c10d, aten = torch.ops._c10d_functional, torch.ops.aten
+    with FakeTensorMode() as mode:
+        shard = mode.from_tensor(torch.zeros(3, 4))
+        vals = {
+            "rows": aten.constant_pad_nd.default(shard, [0, 0, 0, 1]),
+            "cols": aten.constant_pad_nd.default(shard, [1, 0]),
+        }
+        gathered = {name: torch.empty(8 * v.shape[0], v.shape[1]) for name, v in vals.items()}
+    g = torch.fx.Graph()
+    waits, pads = [], {}
+    for name, pad in [("rows", [0, 0, 0, 1]), ("cols", [1, 0])]:
+        x = g.placeholder(name)
+        x.meta["val"] = shard
+        pads[name] = g.call_function(aten.constant_pad_nd.default, (x, pad))
+        pads[name].meta["val"] = vals[name]
+        ag = g.call_function(c10d.all_gather_into_tensor.default, (pads[name], 8, "0"))
+        waits.append(g.call_function(c10d.wait_tensor.default, (ag,)))
+        ag.meta["val"] = waits[-1].meta["val"] = gathered[name]
+    g.output(tuple(waits))
+    FsdpPass(PassConfig(bucket=BucketConfig(plan="cap", cap_bytes=2**30), reorder=None))(g)
+    remaining = [n for n in g.nodes if n.target is aten.constant_pad_nd.default]
+    assert remaining == [pads["cols"]], "the row pad is done by the copy-in, the column pad is not"
+    (copy_in,) = [n for n in g.nodes if n.target is torch.ops.simplefsdp.all_gather_copy_in.default]
+    assert copy_in.args[1] == [16, 15], "chunks: the padded sizes"
