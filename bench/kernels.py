@@ -7,7 +7,7 @@ masters, sharded over `--world` ranks (default 8). For each op, bytes moved = by
 written, divided by the median of `--iters` timed calls (CUDA events, after warm-up):
 
   all-gather copy-in   fp32 shards -> bf16 flat slot
-      ours: torch.ops.simplefsdp.all_gather_copy_in      (one pass: read fp32, write bf16)
+      ours: torch.ops.simplefsdp.all_gather_copy_in      (one pass: read fp32, write bf16 into the slot)
       FSDP2 eager: cast each shard to bf16, then torch.ops.fsdp.all_gather_copy_in (two passes)
       inductor: torch.compile'd `torch.cat([s.to(bf16).reshape(-1) ...])`
   all-gather copy-out  bf16 [world, bucket] -> each parameter's full tensor
@@ -102,7 +102,7 @@ def main() -> int:
     rows = [f"| plain copy ({src.numel() / 1e6:.0f} MB) | {copy_s * 1e6:.0f} us | {copy_gbs:.0f} GB/s | 100% |"]
 
     ag_in_bytes = n_shard * (4 + 2)
-    ours = _time(lambda: torch.ops.simplefsdp.all_gather_copy_in(shards, chunks, bf16), args.iters)
+    ours = _time(lambda: torch.ops.simplefsdp.all_gather_copy_in(shards, chunks, bf16, world, 0), args.iters)
     rows.append(_row("all-gather copy-in, ours", ag_in_bytes, ours, copy_gbs))
     ag_output = torch.empty(n_full, dtype=bf16, device=dev)
     # FSDP2 keeps its shards padded; it casts each, then copies them into this rank's slot

@@ -63,16 +63,13 @@ def _check_chunks(chunks: Sequence[int], n: int | None) -> None:
 # `split_with_sizes_copy`), reduce-scatter copy-in is
 # `_chunk_cat` writing (and casting) into the output. `reference.py` stays the specification the
 # tests compare them with.
-def _cpu_all_gather_copy_in(shards: list[torch.Tensor], chunks: list[int], dtype: torch.dtype) -> torch.Tensor:
-    device = shards[0].device if shards else torch.device("cpu")
-    out = torch.empty(sum(chunks), dtype=dtype, device=device)
+def _cpu_all_gather_copy_in(shards: list[torch.Tensor], chunks: list[int], slot: torch.Tensor) -> None:
     offset = 0
     for shard, chunk in zip(shards, chunks, strict=True):
         n = shard.numel()
-        out.narrow(0, offset, n).copy_(shard.reshape(-1))
-        out.narrow(0, offset + n, chunk - n).zero_()
+        slot.narrow(0, offset, n).copy_(shard.reshape(-1))
+        slot.narrow(0, offset + n, chunk - n).zero_()
         offset += chunk
-    return out
 
 
 def _cpu_reduce_scatter_copy_in(grads: list[torch.Tensor], world: int, dtype: torch.dtype) -> torch.Tensor:
@@ -89,27 +86,36 @@ def _cpu_reduce_scatter_copy_in(grads: list[torch.Tensor], world: int, dtype: to
 
 
 @torch.library.custom_op("simplefsdp::all_gather_copy_in", mutates_args=())
-def all_gather_copy_in(shards: list[torch.Tensor], chunks: list[int], dtype: torch.dtype) -> torch.Tensor:
-    """This rank's shards, cast to `dtype` and zero-padded to `chunks`, in one flat buffer."""
+def all_gather_copy_in(
+    shards: list[torch.Tensor], chunks: list[int], dtype: torch.dtype, world: int, rank: int
+) -> torch.Tensor:
+    """The `[world * bucket]` all-gather buffer with rank `rank`'s slot holding this rank's shards,
+    cast to `dtype` and zero-padded to `chunks`; the other slots are left unwritten (the in-place
+    all-gather fills them)."""
     _check_tensors("shards", shards)
     _check_dtype("dtype", dtype)
     _check_chunks(chunks, len(shards))
+    if not 0 <= rank < world:
+        raise ValueError(f"rank {rank} is not in [0, world = {world})")
     for i, (s, c) in enumerate(zip(shards, chunks, strict=True)):
         if s.numel() > c:
             raise ValueError(f"shards[{i}] has {s.numel()} elements, more than its chunk of {c}")
+    device = shards[0].device if shards else torch.device("cpu")
+    out = torch.empty(world * sum(chunks), dtype=dtype, device=device)
+    slot = out.narrow(0, rank * sum(chunks), sum(chunks))
     if not shards or not _use_triton(shards[0]):
-        return _cpu_all_gather_copy_in(shards, chunks, dtype)
+        _cpu_all_gather_copy_in(shards, chunks, slot)
+        return out
     from simplefsdp.kernels import triton_copy
 
-    out = torch.empty(sum(chunks), dtype=dtype, device=shards[0].device)
-    triton_copy.pack([s.reshape(-1) for s in shards], list(chunks), out, rows=1)
+    triton_copy.pack([s.reshape(-1) for s in shards], list(chunks), slot, rows=1)
     return out
 
 
 @all_gather_copy_in.register_fake
-def _(shards, chunks, dtype):
+def _(shards, chunks, dtype, world, rank):
     device = shards[0].device if shards else torch.device("cpu")
-    return torch.empty(sum(chunks), dtype=dtype, device=device)
+    return torch.empty(world * sum(chunks), dtype=dtype, device=device)
 
 
 # --- all-gather copy-out ------------------------------------------------------------------------

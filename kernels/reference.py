@@ -4,9 +4,11 @@ Shapes, for a bucket of parameters `i` with `numel_i` elements in full and, on `
 `chunk_i = ceil(dim0_i / world) * (numel_i / dim0_i)` elements per rank (dim 0 padded to a
 multiple of `world`, as DTensor shards it):
 
-- `all_gather_copy_in(shards, chunks, dtype)`: this rank's shards (each at most `chunk_i`
+- `all_gather_copy_in(shards, chunks, dtype, world, rank)`: the all-gather buffer
+  `[world * sum(chunks)]` whose slot `rank` holds this rank's shards (each at most `chunk_i`
   elements, fewer on ranks holding a short last shard), cast to `dtype`, zero-padded to `chunk_i`,
-  concatenated: `[sum(chunks)]`, this rank's slot of the all-gather buffer.
+  concatenated. The all-gather runs in place on it; the op leaves the other slots unwritten (the
+  reference zeroes them; tests compare the slot).
 - `all_gather_copy_out(gathered, chunks, numels, world)`: `[world * sum(chunks)]` (rank slots in
   order) -> each parameter's full value, flat `[numel_i]` (padding stripped).
 - `reduce_scatter_copy_in(grads, world, dtype, scale)`: full gradients (flat `[numel_i]`) -> cast to
@@ -48,9 +50,14 @@ def _cast(x: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.Tensor:
     return x.to(dtype, copy=True) if scale == 1.0 else (x.float() * scale).to(dtype)
 
 
-def all_gather_copy_in(shards: Sequence[torch.Tensor], chunks: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+def all_gather_copy_in(
+    shards: Sequence[torch.Tensor], chunks: Sequence[int], dtype: torch.dtype, world: int, rank: int
+) -> torch.Tensor:
     pieces = [F.pad(s.reshape(-1).to(dtype), (0, c - s.numel())) for s, c in zip(shards, chunks, strict=True)]
-    return torch.cat(pieces) if pieces else torch.empty(0, dtype=dtype)
+    out = torch.zeros(world, sum(chunks), dtype=dtype)
+    if pieces:
+        out[rank] = torch.cat(pieces)
+    return out.view(-1)
 
 
 def all_gather_copy_out(

@@ -3,10 +3,11 @@
 All-gather bucket (members: this rank's shards `x_i`, before the cast to the gather dtype and the
 zero pad of a short last shard; `chunk_i` elements each once padded):
 
-    flat = all_gather_copy_in([x_i ...], chunks, dtype)          # [N]: cast + pad + concat, one pass
-    out  = wait(all_gather_into_tensor(flat, world, group))       # [world * N]
-    full = all_gather_copy_out(out, chunks, world * chunks, world) # each [world * chunk_i], reshaped
-                                                                   # like the member's wait result
+    buf  = all_gather_copy_in([x_i ...], chunks, dtype, world, rank)  # [world * N]; cast + pad +
+                                                                       # concat into slot `rank`
+    out  = wait(all_gather_into_tensor_out(buf[rank * N : (rank + 1) * N], world, group, out=buf))
+    full = all_gather_copy_out(out, chunks, world * chunks, world)     # each [world * chunk_i], reshaped
+                                                                       # like the member's wait result
 
 Reduce-scatter bucket (members: full gradients `g_i`, before the cast to the reduce dtype and the
 zero pad of dim 0 to a multiple of world):
@@ -18,7 +19,9 @@ zero pad of dim 0 to a multiple of world):
 All-reduce buckets are the world-1 layout of the same ops. The copy ops are simplefsdp's custom
 ops (`kernels/`: Triton on GPU, torch on CPU); they only move, cast and pad, exactly as the
 nodes they replace did, so results are bitwise equal to the unbucketed graph and bytes on the wire
-are the members' sum. The merged collective is placed where the bucket's first all-gather (last
+are the members' sum. The all-gather runs in place on the buffer the copy-in wrote this rank's slot
+of (no separate send buffer, no copy of it into the output; on gloo the in-place out-variant is
+also the fast path, see `bench/`). The merged collective is placed where the bucket's first all-gather (last
 reduce-scatter) was, unless a member's input depends on another member's result (merging would
 form a cycle: the bucket is left as it is); a stable topological sort then moves what depends on it
 after it.
@@ -34,7 +37,7 @@ import torch
 from torch import fx
 
 import simplefsdp.kernels  # noqa: F401  (registers torch.ops.simplefsdp.*, the copy-in / copy-out ops)
-from simplefsdp._compat import stable_topological_sort, tree_leaves
+from simplefsdp._compat import resolve_process_group, stable_topological_sort, tree_leaves
 from simplefsdp.kernels.reference import chunk_numel
 from simplefsdp.passes.collectives import search
 from simplefsdp.passes.detect import FsdpAllGather, FsdpReduction
@@ -162,15 +165,19 @@ def _merge_all_gathers(graph: fx.Graph, members: list[FsdpAllGather]) -> tuple[l
     # it before gathering; that pad sits wherever the parameter is first used. The copy-in op pads
     # (and casts) itself, reading the graph inputs directly, so the merged collective depends only
     # on graph inputs and lands at the same place on every rank.
+    # The rank only sets where this rank's slot starts in the buffer (a constant of the graph): the
+    # graph's structure, and so every ordering decision, is the same on every rank.
     world, group = members[0].group_size, members[0].group_name
+    rank = resolve_process_group(group).rank()
     sent = [m.collective.args[0] for m in members]
     chunks = [math.prod(_shape(x)) for x in sent]
     dtype = sent[0].meta["val"].dtype
     chains = [_unprepared(x, pad_ok=_is_dim0_tail_pad) for x in sent]  # copy-in pads each to its chunk
     with graph.inserting_before(members[0].collective):
         shards = [_call(graph, aten.reshape.default, _contiguous(graph, src), [-1]) for src, _ in chains]
-        flat = _call(graph, simplefsdp_ops.all_gather_copy_in.default, shards, chunks, dtype)
-        gathered = _call(graph, c10d.all_gather_into_tensor.default, flat, world, group)
+        buffer = _call(graph, simplefsdp_ops.all_gather_copy_in.default, shards, chunks, dtype, world, rank)
+        slot = _call(graph, aten.narrow.default, buffer, 0, rank * sum(chunks), sum(chunks))
+        gathered = _call(graph, c10d.all_gather_into_tensor_out.default, slot, world, group, out=buffer)
         waited = _call(graph, c10d.wait_tensor.default, gathered)
         numels = [world * c for c in chunks]  # the padded full tensors; the graph strips padding after
         pieces = _call(graph, simplefsdp_ops.all_gather_copy_out.default, waited, chunks, numels, world)

@@ -36,7 +36,8 @@ def _is_call(node: fx.Node, packet: OpOverloadPacket) -> bool:
 
 
 def is_all_gather(node: fx.Node) -> bool:
-    return _is_call(node, _c10d.all_gather_into_tensor)
+    """An all-gather launch: out-of-place, or in place on a buffer (`..._out`, what merged buckets use)."""
+    return _is_call(node, _c10d.all_gather_into_tensor) or _is_call(node, _c10d.all_gather_into_tensor_out)
 
 
 def is_reduce_scatter(node: fx.Node) -> bool:

@@ -62,13 +62,19 @@ def test_all_gather_round_trip_over_all_ranks(bucket):
     fulls = _params(shapes, src, seed)
     chunks = _chunks(shapes, world)
     copy_in = torch.ops.simplefsdp.all_gather_copy_in
-    gathered = torch.cat([copy_in([_shard(f, world, r) for f in fulls], chunks, dst) for r in range(world)])
+    # what an in-place all-gather does: every rank's slot from that rank's copy-in
+    gathered = torch.cat(
+        [_slot(copy_in([_shard(f, world, r) for f in fulls], chunks, dst, world, r), world, r) for r in range(world)]
+    )
     outs = torch.ops.simplefsdp.all_gather_copy_out(gathered, chunks, [f.numel() for f in fulls], world)
     for out, full in zip(outs, fulls, strict=True):
         assert torch.equal(out.view(full.shape), full.to(dst))
     # the CPU implementations against the specification, piece by piece
-    shards = [_shard(f, world, 0) for f in fulls]
-    assert torch.equal(copy_in(shards, chunks, dst), reference.all_gather_copy_in(shards, chunks, dst))
+    rank = world - 1
+    shards = [_shard(f, world, rank) for f in fulls]
+    want = reference.all_gather_copy_in(shards, chunks, dst, world, rank)
+    assert torch.equal(_slot(copy_in(shards, chunks, dst, world, rank), world, rank), _slot(want, world, rank))
+    assert copy_in(shards, chunks, dst, world, rank).shape == want.shape == (world * sum(chunks),)
     numels = [f.numel() for f in fulls]
     for got, want in zip(outs, reference.all_gather_copy_out(gathered, chunks, numels, world), strict=True):
         assert torch.equal(got, want)
@@ -104,24 +110,31 @@ def test_accumulate_adds_to_existing_gradients():
         torch.ops.simplefsdp.reduce_scatter_copy_out_accumulate(torch.randn(6), [3, 3], 1.0, accs)
 
 
+def _slot(buffer: torch.Tensor, world: int, rank: int) -> torch.Tensor:
+    """Rank `rank`'s slot of a flat `[world * bucket]` all-gather buffer (the part copy-in writes)."""
+    return buffer.view(world, -1)[rank]
+
+
 def test_bad_inputs_are_named():
     x = torch.randn(4, 4)
     with pytest.raises(ValueError, match=r"shards\[1\] has dtype torch.int64"):
-        torch.ops.simplefsdp.all_gather_copy_in([x, torch.ones(3, dtype=torch.long)], [16, 3], torch.bfloat16)
+        torch.ops.simplefsdp.all_gather_copy_in([x, torch.ones(3, dtype=torch.long)], [16, 3], torch.bfloat16, 1, 0)
     with pytest.raises(ValueError, match=r"shards\[0\] has 16 elements, more than its chunk of 8"):
-        torch.ops.simplefsdp.all_gather_copy_in([x], [8], torch.bfloat16)
+        torch.ops.simplefsdp.all_gather_copy_in([x], [8], torch.bfloat16, 1, 0)
     with pytest.raises(ValueError, match=r"grads\[0\] .* must be contiguous"):
         torch.ops.simplefsdp.reduce_scatter_copy_in([x.t()], 2, torch.float32, 1.0)
     with pytest.raises(ValueError, match="gathered has 16 elements; world 2 x bucket 4 expected"):
         torch.ops.simplefsdp.all_gather_copy_out(x.reshape(-1), [4], [8], 2)
     with pytest.raises(ValueError, match="got 2 chunk sizes for 1 tensors"):
-        torch.ops.simplefsdp.all_gather_copy_in([x], [16, 1], torch.float32)
+        torch.ops.simplefsdp.all_gather_copy_in([x], [16, 1], torch.float32, 1, 0)
+    with pytest.raises(ValueError, match=r"rank 2 is not in \[0, world = 2\)"):
+        torch.ops.simplefsdp.all_gather_copy_in([x], [16], torch.float32, 2, 2)
 
 
 def test_ops_trace_under_compile():
     @torch.compile(backend="aot_eager", fullgraph=True)
     def step(a, b):
-        flat = torch.ops.simplefsdp.all_gather_copy_in([a, b], [12, 4], torch.bfloat16)
+        flat = torch.ops.simplefsdp.all_gather_copy_in([a, b], [12, 4], torch.bfloat16, 1, 0)
         return torch.ops.simplefsdp.all_gather_copy_out(flat, [12, 4], [12, 3], 1)
 
     a, b = torch.randn(3, 4), torch.randn(3)
@@ -175,11 +188,15 @@ def test_triton_matches_reference(triton_device, bucket, scale):
     chunks = _chunks(shapes, world)
     shards = [_shard(f, world, rank) for f in fulls]
     on = [t.to(triton_device) for t in shards]
-    got = torch.ops.simplefsdp.all_gather_copy_in(on, chunks, dst).cpu()
-    _close_or_one_ulp(got, reference.all_gather_copy_in(shards, chunks, dst), interpreter)
+    got = torch.ops.simplefsdp.all_gather_copy_in(on, chunks, dst, world, rank).cpu()
+    want = reference.all_gather_copy_in(shards, chunks, dst, world, rank)
+    _close_or_one_ulp(_slot(got, world, rank), _slot(want, world, rank), interpreter)
 
     gathered = torch.cat(
-        [reference.all_gather_copy_in([_shard(f, world, r) for f in fulls], chunks, src) for r in range(world)]
+        [
+            _slot(reference.all_gather_copy_in([_shard(f, world, r) for f in fulls], chunks, src, world, r), world, r)
+            for r in range(world)
+        ]
     )
     numels = [f.numel() for f in fulls]
     got = torch.ops.simplefsdp.all_gather_copy_out(gathered.to(triton_device), chunks, numels, world)

@@ -99,7 +99,22 @@ def _events(graph: fx.Graph) -> list[tuple[str, str]]:
     return events
 
 
-_LAUNCHES = "all_gather_into_tensor|reduce_scatter_tensor"
+# a launch in inductor's code: `bufN = ...all_gather_into_tensor(...)` / `...reduce_scatter_tensor(...)`,
+# or, for a merged bucket's in-place all-gather, `...all_gather_into_tensor_out(..., out=bufN)`
+_GATHER_OUT = re.compile(r"torch\.ops\._c10d_functional\.all_gather_into_tensor_out\.default\(.*out=(buf\d+)\)")
+
+
+def _launched(line: str, collective: str) -> str | None:
+    """The buffer a launch of `collective` ("all_gather_into_tensor" or "reduce_scatter_tensor") on
+    `line` produces (the one its wait names), or None."""
+    if collective == "all_gather_into_tensor" and (m := _GATHER_OUT.search(line)):
+        return m.group(1)
+    m = re.search(rf"(buf\d+) = torch\.ops\._c10d_functional\.{collective}\.default\(", line)
+    return m.group(1) if m else None
+
+
+def _launches(code: str, collective: str) -> list[str]:
+    return [b for line in code.splitlines() if (b := _launched(line, collective))]
 
 
 def _code_events(code: str) -> list[tuple[str, str]]:
@@ -111,10 +126,8 @@ def _code_events(code: str) -> list[tuple[str, str]]:
     """
     events = []
     for line in code[code.index("def call(self") :].splitlines():
-        if m := re.search(
-            r"(buf\d+) = torch\.ops\._c10d_functional\.(all_gather_into_tensor|reduce_scatter_tensor)", line
-        ):
-            events.append(("L", m.group(1)))
+        if buf := _launched(line, "all_gather_into_tensor") or _launched(line, "reduce_scatter_tensor"):
+            events.append(("L", buf))
         elif m := re.search(r"torch\.ops\._c10d_functional\.wait_tensor\.default\((buf\d+)\)", line):
             events.append(("W", m.group(1)))
         elif "extern_kernels.mm(" in line:
@@ -178,8 +191,8 @@ def test_order_survives_inductor(step):
     forward_code, backward_code = code
     _assert_prefetch_depth_1(_code_events(forward_code), "forward code")
     bwd = _code_events(backward_code)
-    gather_bufs = set(re.findall(r"(buf\d+) = torch\.ops\._c10d_functional\.all_gather_into_tensor", backward_code))
-    reduce_bufs = re.findall(r"(buf\d+) = torch\.ops\._c10d_functional\.reduce_scatter_tensor", backward_code)
+    gather_bufs = set(_launches(backward_code, "all_gather_into_tensor"))
+    reduce_bufs = _launches(backward_code, "reduce_scatter_tensor")
     assert len(gather_bufs) == len(reduce_bufs) == L8.n_layers + 1
     _assert_prefetch_depth_1([e for e in bwd if e[0] == "mm" or e[1] in gather_bufs], "backward code")
     _reductions_overlap(bwd, reduce_bufs, "backward code")
