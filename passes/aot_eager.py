@@ -13,6 +13,7 @@ from __future__ import annotations
 from torch import fx
 
 from simplefsdp._compat import aot_autograd, inductor_config, min_cut_rematerialization_partition, register_backend
+from simplefsdp.passes.install import ChainedPass, configured_passes
 
 __all__ = ["BACKEND_NAME"]
 
@@ -20,10 +21,7 @@ BACKEND_NAME = "simplefsdp_aot_eager"
 
 
 def _run_post_grad_pass(gm: fx.GraphModule, example_inputs) -> fx.GraphModule:
-    graph_pass = inductor_config.post_grad_custom_post_pass
-    for one in graph_pass if isinstance(graph_pass, (list, tuple)) else [graph_pass]:
-        if one is not None:
-            one(gm.graph)
+    ChainedPass(configured_passes(inductor_config.post_grad_custom_post_pass))(gm.graph)
     gm.graph.lint()
     gm.recompile()
     return gm

@@ -39,7 +39,7 @@ from torch import fx
 import simplefsdp.kernels  # noqa: F401  (registers torch.ops.simplefsdp.*, the copy-in / copy-out ops)
 from simplefsdp._compat import resolve_process_group, stable_topological_sort, tree_leaves
 from simplefsdp.kernels.reference import chunk_numel
-from simplefsdp.passes.collectives import search
+from simplefsdp.passes.collectives import is_cast_or_pad, search
 from simplefsdp.passes.detect import FsdpAllGather, FsdpReduction
 from simplefsdp.passes.plan import Bucket
 
@@ -107,13 +107,6 @@ def _apply(
     return removed
 
 
-_CAST_OR_PAD = {
-    torch.ops.prims.convert_element_type.default,
-    aten._to_copy.default,
-    aten.constant_pad_nd.default,
-}
-
-
 def _is_dim0_tail_pad(node: fx.Node) -> bool:
     """A zero pad that only appends rows to dim 0: in flat order, zeros after the data."""
     pad, value = node.args[1], (node.args[2] if len(node.args) > 2 else 0)
@@ -132,7 +125,7 @@ def _unprepared(node: fx.Node, *, pad_ok: Callable[[fx.Node], bool]) -> tuple[fx
     bucket copy-in ops cast and pad themselves, in the same pass over memory. A pad is looked
     through only if `pad_ok` says the copy-in op pads the same way."""
     chain = []
-    while node.op == "call_function" and node.target in _CAST_OR_PAD and len(node.users) == 1:
+    while is_cast_or_pad(node) and len(node.users) == 1:
         if node.target is aten.constant_pad_nd.default and not pad_ok(node):
             break
         chain.append(node)

@@ -22,6 +22,7 @@ __all__ = [
     "derives_from_all_gather",
     "is_all_gather",
     "is_all_reduce",
+    "is_cast_or_pad",
     "is_reduce_scatter",
     "is_wait",
     "passes_value_through",
@@ -87,6 +88,18 @@ _PASSTHROUGH_TARGETS = {
     torch.ops.simplefsdp.reduce_scatter_copy_in.default,
     torch.ops.simplefsdp.reduce_scatter_copy_out.default,
 }
+
+
+_CAST_OR_PAD = {
+    torch.ops.prims.convert_element_type.default,
+    torch.ops.aten._to_copy.default,
+    torch.ops.aten.constant_pad_nd.default,
+}
+
+
+def is_cast_or_pad(node: fx.Node) -> bool:
+    """A dtype cast or a constant pad: what may sit between a sharded parameter and its all-gather."""
+    return node.op == "call_function" and node.target in _CAST_OR_PAD
 
 
 def passes_value_through(node: fx.Node) -> bool:

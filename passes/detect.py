@@ -24,6 +24,7 @@ from simplefsdp.gather import OWNER_KEY
 from simplefsdp.passes.collectives import (
     is_all_gather,
     is_all_reduce,
+    is_cast_or_pad,
     is_reduce_scatter,
     is_wait,
     passes_value_through,
@@ -31,13 +32,6 @@ from simplefsdp.passes.collectives import (
 )
 
 __all__ = ["FsdpAllGather", "FsdpReduction", "find_fsdp_all_gathers", "find_fsdp_reductions", "owner_of"]
-
-_aten = torch.ops.aten
-_ALL_GATHER_INPUT_PREP = {
-    torch.ops.prims.convert_element_type.default,
-    _aten._to_copy.default,
-    _aten.constant_pad_nd.default,
-}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -96,7 +90,7 @@ def _single_wait(node: fx.Node) -> fx.Node | None:
 def _gathered_graph_input(node: fx.Node) -> tuple[fx.Node | None, tuple[fx.Node, ...]]:
     """The placeholder `node` (an all-gather input) comes from through cast / pad ops, and those ops."""
     current, prep = node, []
-    while current.op == "call_function" and current.target in _ALL_GATHER_INPUT_PREP:
+    while is_cast_or_pad(current):
         prep.append(current)
         current = current.args[0]
     return (current if current.op == "placeholder" else None), tuple(reversed(prep))

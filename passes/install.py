@@ -41,7 +41,7 @@ from simplefsdp._compat import (
 )
 from simplefsdp.passes.fsdp_pass import FsdpPass
 
-__all__ = ["ChainedPass", "active", "install", "pass_of"]
+__all__ = ["ChainedPass", "active", "configured_passes", "install", "pass_of"]
 
 _PASS_ATTR = "_simplefsdp_pass"
 
@@ -73,7 +73,8 @@ class ChainedPass(CustomInferenceAwareGraphPass or CustomGraphPass):
         return hashlib.sha256("|".join(map(str, uuids)).encode()).hexdigest()
 
 
-def _flatten(current: object) -> tuple[object, ...]:
+def configured_passes(current: object) -> tuple[object, ...]:
+    """The passes a `post_grad_custom_post_pass` setting holds, in order: none, one, a list or a `ChainedPass`."""
     if current is None:
         return ()
     if isinstance(current, (list, tuple)):
@@ -84,7 +85,7 @@ def _flatten(current: object) -> tuple[object, ...]:
 
 
 def _with(ours: FsdpPass, current: object) -> CustomGraphPass:
-    existing = _flatten(current)
+    existing = configured_passes(current)
     if any(p is ours for p in existing):
         return current  # nested call of the same model: already installed
     return ChainedPass((ours, *existing)) if existing else ours

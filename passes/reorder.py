@@ -42,13 +42,10 @@ from collections.abc import Iterable
 import torch
 from torch import fx
 
-from simplefsdp.passes.collectives import is_all_gather, is_wait, passes_value_through
+from simplefsdp.passes.collectives import is_all_gather, is_cast_or_pad, is_wait, passes_value_through
 from simplefsdp.passes.detect import find_fsdp_reductions
 
 __all__ = ["ReorderConfig", "reorder_all_gathers", "reorder_reductions"]
-
-_aten = torch.ops.aten
-_PREP_EXTRA = {_aten.constant_pad_nd.default}  # data movement that is not a view, cast, copy or concat
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -68,7 +65,7 @@ class ReorderConfig:
 def _is_data_movement(node: fx.Node) -> bool:
     if node.op != "call_function" or is_wait(node):
         return False
-    return passes_value_through(node) or node.target in _PREP_EXTRA
+    return passes_value_through(node) or is_cast_or_pad(node)
 
 
 _COPY_OUT = {torch.ops.simplefsdp.all_gather_copy_out.default, torch.ops.simplefsdp.reduce_scatter_copy_out.default}
@@ -81,12 +78,12 @@ def _is_unpack(node: fx.Node) -> bool:
     return node.target is operator.getitem or node.target in _COPY_OUT or bool(getattr(node.target, "is_view", False))
 
 
-def _positions(graph: fx.Graph) -> dict[fx.Node, int]:
-    return {node: i for i, node in enumerate(graph.nodes)}
+# [Note: node order] FX nodes compare by their position in the graph (`a < b`: `a` comes first),
+# kept up to date as nodes move, so the passes never rebuild a position table after a move.
 
 
-def _move_before(anchor: fx.Node, nodes: Iterable[fx.Node], pos: dict[fx.Node, int]) -> None:
-    for node in sorted(nodes, key=pos.__getitem__):
+def _move_before(anchor: fx.Node, nodes: Iterable[fx.Node]) -> None:
+    for node in sorted(nodes):
         anchor.prepend(node)
 
 
@@ -134,6 +131,14 @@ def _landing(wait: fx.Node) -> tuple[list[fx.Node], list[fx.Node]]:
     return list(landing), consumers
 
 
+def _after_landing(wait: fx.Node, landing: list[fx.Node]) -> fx.Node:
+    """The first node after `wait` and the landing nodes that directly follow it."""
+    node, skip = wait.next, set(landing)
+    while node in skip:
+        node = node.next
+    return node
+
+
 def _out_bytes(node: fx.Node) -> int:
     val = node.meta["val"]
     return val.numel() * val.dtype.itemsize
@@ -148,7 +153,7 @@ class _Gather:
     first_use: fx.Node
 
 
-def _prefetchable_gathers(graph: fx.Graph, pos: dict[fx.Node, int]) -> list[_Gather]:
+def _prefetchable_gathers(graph: fx.Graph) -> list[_Gather]:
     found = []
     for node in graph.nodes:
         if not is_all_gather(node) or len(node.users) != 1 or not is_wait(next(iter(node.users))):
@@ -158,17 +163,15 @@ def _prefetchable_gathers(graph: fx.Graph, pos: dict[fx.Node, int]) -> list[_Gat
         landing, consumers = _landing(wait)
         if chain is None or not consumers:
             continue
-        found.append(_Gather(node, wait, chain, landing, min(consumers, key=pos.__getitem__)))
-    return sorted(found, key=lambda g: pos[g.first_use])
+        found.append(_Gather(node, wait, chain, landing, min(consumers)))
+    return sorted(found, key=lambda g: g.first_use)
 
 
 def reorder_all_gathers(graph: fx.Graph, *, config: ReorderConfig) -> int:
     """Prefetch all-gathers and sink their waits to first use; returns how many launches moved earlier."""
-    pos = _positions(graph)
-    gathers = _prefetchable_gathers(graph, pos)
+    gathers = _prefetchable_gathers(graph)
     for g in gathers:  # wait (and unpacking) right before the first use
-        _move_before(g.first_use, [g.wait, *g.landing], pos)
-    pos = _positions(graph)
+        _move_before(g.first_use, [g.wait, *g.landing])
     moved, previous_anchor = 0, 0
     sizes = [_out_bytes(g.wait) for g in gathers]
     for j, g in enumerate(gathers):
@@ -178,10 +181,9 @@ def reorder_all_gathers(graph: fx.Graph, *, config: ReorderConfig) -> int:
         anchor_index = max(j - depth, previous_anchor)
         previous_anchor = anchor_index
         anchor = gathers[anchor_index].wait
-        if anchor_index == j or pos[g.collective] < pos[anchor]:
+        if anchor_index == j or g.collective < anchor:
             continue  # no prefetch asked for, or already launched early enough: never delay a launch
-        _move_before(anchor, [n for n in g.chain if pos[n] > pos[anchor]] + [g.collective], pos)
-        pos = _positions(graph)
+        _move_before(anchor, [n for n in g.chain if n > anchor] + [g.collective])
         moved += 1
     return moved
 
@@ -191,22 +193,17 @@ def reorder_reductions(graph: fx.Graph, *, config: ReorderConfig) -> int:
     returns how many waits moved later."""
     reductions = find_fsdp_reductions(graph)
     for r in reductions:  # as soon as possible: each chain node right after its latest input
-        pos = _positions(graph)
-        for node in sorted([*_reduction_launch_chain(r.collective), r.collective], key=pos.__getitem__):
+        for node in sorted([*_reduction_launch_chain(r.collective), r.collective]):
             inputs = node.all_input_nodes
-            if inputs:
-                latest = max(inputs, key=pos.__getitem__)
-                if latest.next is not node:
-                    latest.append(node)
-                pos = _positions(graph)
-    pos = _positions(graph)
-    reductions.sort(key=lambda r: pos[r.collective])
-    launch_of = [min([*_reduction_launch_chain(r.collective), r.collective], key=pos.__getitem__) for r in reductions]
+            if inputs and (latest := max(inputs)).next is not node:
+                latest.append(node)
+    reductions.sort(key=lambda r: r.collective)
+    launch_of = [min([*_reduction_launch_chain(r.collective), r.collective]) for r in reductions]
     sizes = [_out_bytes(r.collective.args[0]) for r in reductions]
     moved = 0
     for i, r in enumerate(reductions):
         landing, consumers = _landing(r.wait)
-        limits = [min(consumers, key=pos.__getitem__)] if consumers else []
+        limits = [min(consumers)] if consumers else []
         in_flight = sizes[i]
         for m in range(i + 1, len(reductions)):
             in_flight += sizes[m]
@@ -215,9 +212,8 @@ def reorder_reductions(graph: fx.Graph, *, config: ReorderConfig) -> int:
                 break
         if not limits:
             continue
-        anchor = min(limits, key=pos.__getitem__)
-        if pos[anchor] > pos[r.wait] + 1 + len(landing):
-            _move_before(anchor, [r.wait, *landing], pos)
-            pos = _positions(graph)
+        anchor = min(limits)
+        if anchor > r.wait and _after_landing(r.wait, landing) is not anchor:
+            _move_before(anchor, [r.wait, *landing])
             moved += 1
     return moved
