@@ -36,6 +36,8 @@ import torch.fx.traceback as fx_traceback
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate
 from torch.utils.checkpoint import checkpoint
 
+from simplefsdp.tied import gather_once
+
 __all__ = ["OWNER_KEY", "GatherSpec", "gather_full"]
 
 OWNER_KEY = "simplefsdp_param"  # node.meta["custom"] key naming the parameter a collective serves
@@ -57,6 +59,7 @@ class GatherSpec:
     reduce_dtype: torch.dtype | None
     reduce_op: ReduceOp
     reshard_after_forward: bool
+    tied: bool = False  # held by several modules: gathered once per root forward (see `tied.py`)
 
     @property
     def full_placements(self) -> tuple[Placement, ...]:
@@ -88,8 +91,14 @@ def gather_full(param: DTensor, spec: GatherSpec) -> torch.Tensor:
     """The full (unsharded) local tensor of `param`, in `spec.param_dtype`, differentiable.
 
     Its gradient is reduced over the mesh in `spec.reduce_dtype` and lands in `param.grad` as a
-    DTensor with `param`'s placements and dtype.
+    DTensor with `param`'s placements and dtype. A tied parameter is gathered once per root forward.
     """
+    if spec.tied:
+        return gather_once(spec.fqn, lambda: _gather(param, spec))
+    return _gather(param, spec)
+
+
+def _gather(param: DTensor, spec: GatherSpec) -> torch.Tensor:
     if not torch.compiler.is_compiling():
         return _redistribute(param, spec)
     if spec.reshard_after_forward:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections import Counter
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -18,6 +19,7 @@ from simplefsdp.passes import install as passes_install
 from simplefsdp.passes.fsdp_pass import FsdpPass, PassConfig
 from simplefsdp.passes.plan import find_repeated_blocks, validate_patterns
 from simplefsdp.strategy import ShardingStrategy
+from simplefsdp.tied import install_scope
 
 __all__ = ["wrap"]
 
@@ -111,7 +113,9 @@ def wrap(
     yield it under its original name as an `nn.Parameter` holding a DTensor with the strategy's
     placements; `module.<name>` returns the full tensor (gathered in `param_dtype`), and its
     gradient lands reduced in `param.grad` with the master's placements and dtype. Buffers and
-    non-floating-point parameters are untouched (replicated, as before).
+    non-floating-point parameters are untouched (replicated, as before). A tied parameter (one
+    object in several modules) stays one sharded parameter, gathered once per forward of `model`
+    and reduced once (`tied.py`); a frozen one (`requires_grad=False`) is gathered and never reduced.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"simplefsdp.wrap() takes an nn.Module, got {type(model).__name__}")
@@ -132,6 +136,7 @@ def wrap(
 
     sharded: dict[int, nn.Parameter] = {}  # id(original) -> sharded; tied parameters stay one object
     fqns = {id(p): fqn for fqn, p in params.items()}  # a tied parameter is named by its first FQN
+    holders = Counter(id(p) for m in model.modules() for p in m._parameters.values() if p is not None)
     for module in model.modules():
         specs: dict[str, GatherSpec] = {}
         for name, param in module._parameters.items():
@@ -146,12 +151,15 @@ def wrap(
                 reduce_dtype=mp_policy.reduction_dtype(param.dtype),
                 reduce_op=reduce_op,
                 reshard_after_forward=reshard,
+                tied=holders[id(param)] > 1,
             )
         for name in specs:
             module._parameters[name] = sharded[id(module._parameters[name])]
         if specs:
             install(module, specs)
     mp_policy.install_casts(model)
+    if any(n > 1 for n in holders.values()):
+        install_scope(model)
     passes_install.install(model, _make_pass(model, passes))
     install_rank_aware_dtensor_cache_keys()
     setattr(model, _ROOT_ATTR, True)

@@ -26,6 +26,7 @@ class TransformerArgs:
     max_seq_len: int = 64
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
+    tie_embeddings: bool = False  # the output head shares the embedding's weight (one parameter)
 
     def __post_init__(self) -> None:
         if self.dim % self.n_heads:
@@ -115,6 +116,8 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleList(Block(args) for _ in range(args.n_layers))
         self.norm = RMSNorm(args.dim, args.norm_eps)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        if args.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
         self.register_buffer("rope", rope_tables(args), persistent=False)
         self.reset_parameters()
 
@@ -132,7 +135,8 @@ class Transformer(nn.Module):
                 nn.init.normal_(linear.weight, std=0.02)
             for linear in (layer.attention.wo, layer.feed_forward.w2):
                 nn.init.normal_(linear.weight, std=0.02 / math.sqrt(2 * self.args.n_layers))
-        nn.init.normal_(self.output.weight, std=self.args.dim**-0.5)
+        if not self.args.tie_embeddings:
+            nn.init.normal_(self.output.weight, std=self.args.dim**-0.5)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         rope = self.rope[: tokens.shape[1]]

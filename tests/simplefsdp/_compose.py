@@ -1,0 +1,120 @@
+"""Models and rank functions for the composition tests: tied, frozen and mixed-dtype parameters, clipping.
+
+The test model is the reference transformer with its output head tied to the embedding, and LoRA
+adapters on every block's `wq` and `wv`: the base projection frozen and stored in bf16 (cast up
+on use), the two adapter matrices trainable in fp32. So one model holds a tied parameter, frozen
+and trainable parameters in the same block, and two parameter dtypes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+import simplefsdp
+from simplefsdp.models import Transformer
+from tests.simplefsdp import _training as T
+
+TIED = dataclasses.replace(T.ARGS, tie_embeddings=True)
+LORA_RANK = 4
+
+
+class LoRALinear(nn.Module):
+    """`base(x) + x A^T B^T`: `base` frozen (in `base_dtype`, cast to the input's dtype on use), A and B trained."""
+
+    def __init__(self, base: nn.Linear, *, rank: int, base_dtype: torch.dtype) -> None:
+        super().__init__()
+        self.base = base.to(base_dtype).requires_grad_(False)
+        self.lora_a = nn.Parameter(torch.randn(rank, base.in_features) * 0.02)
+        self.lora_b = nn.Parameter(torch.randn(base.out_features, rank) * 0.02)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.base.weight.to(x.dtype)) + F.linear(F.linear(x, self.lora_a), self.lora_b)
+
+
+def lora_model() -> Transformer:
+    torch.manual_seed(0)
+    model = Transformer(TIED)
+    for layer in model.layers:
+        layer.attention.wq = LoRALinear(layer.attention.wq, rank=LORA_RANK, base_dtype=torch.bfloat16)
+        layer.attention.wv = LoRALinear(layer.attention.wv, rank=LORA_RANK, base_dtype=torch.bfloat16)
+    return model
+
+
+def frozen_fqns(model: nn.Module) -> set[str]:
+    return {fqn for fqn, p in model.named_parameters() if not p.requires_grad}
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraResult:
+    losses: list[float]
+    params: dict[str, torch.Tensor]
+    frozen_grads: list[str]  # frozen parameters that got a gradient (must be none)
+    tied_is_one_parameter: bool
+    dtypes: dict[str, torch.dtype]
+
+
+def _train(model: nn.Module, step_fn: nn.Module, *, shard: bool) -> tuple[list[float], list[str]]:
+    # SGD: updates linear in the gradients, so the parameters differ from the reference only by the
+    # gradients' few-ulp summation-order differences (AdamW divides by sqrt(v) and can magnify an
+    # almost-zero gradient's rounding)
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5)
+    rank, world = (dist.get_rank(), dist.get_world_size()) if shard else (0, 1)
+    losses, frozen_grads = [], []
+    for tokens in T.batches():
+        loss = T.loss_fn(step_fn, tokens.chunk(world)[rank])
+        loss.backward()
+        frozen_grads += [fqn for fqn, p in model.named_parameters() if not p.requires_grad and p.grad is not None]
+        opt.step()
+        opt.zero_grad()
+        total = loss.detach().clone()
+        if shard:
+            dist.all_reduce(total)
+        losses.append(total.item() / world)
+    return losses, frozen_grads
+
+
+def _result(model: nn.Module, losses: list[float], frozen_grads: list[str]) -> LoraResult:
+    return LoraResult(
+        losses=losses,
+        params=T.full_params(model),
+        frozen_grads=frozen_grads,
+        tied_is_one_parameter=model.output._parameters["weight"] is model.tok_embeddings._parameters["weight"],
+        dtypes={fqn: p.dtype for fqn, p in model.named_parameters()},
+    )
+
+
+def train_lora_reference() -> LoraResult:
+    model = lora_model()
+    return _result(model, *_train(model, model, shard=False))
+
+
+def train_lora_simplefsdp(backend: str) -> LoraResult:
+    model = simplefsdp.wrap(lora_model())
+    step_fn = model if backend == "eager" else torch.compile(model, backend=backend)
+    return _result(model, *_train(model, step_fn, shard=True))
+
+
+def clip_once(backend: str, max_norm: float) -> tuple[float, dict[str, torch.Tensor]]:
+    """One backward on this rank's half batch, then `clip_grad_norm_`: (returned norm, full clipped grads)."""
+    model = T.fresh_model()
+    if backend != "reference":
+        simplefsdp.wrap(model)
+    step_fn = model if backend in ("eager", "reference") else torch.compile(model, backend=backend)
+    tokens = T.batches(1)[0]
+    if backend != "reference":
+        tokens = tokens.chunk(dist.get_world_size())[dist.get_rank()]
+    T.loss_fn(step_fn, tokens).backward()
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    if isinstance(norm, DTensor):
+        norm = norm.full_tensor()
+    grads = {
+        fqn: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).clone()
+        for fqn, p in model.named_parameters()
+    }
+    return norm.item(), grads

@@ -1,0 +1,92 @@
+"""Tied, frozen and mixed-dtype parameters, and gradient clipping, with simplefsdp (2 gloo ranks, and
+graph structure at world 8 on the fake process group).
+
+Tolerance vs the single-process reference: the fp32 bound of `test_training.py` (64 ulps), for
+the same reason (each rank reduces over half the batch, a different summation order).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from torch.distributed.tensor.debug import CommDebugMode
+
+import simplefsdp
+from simplefsdp.gather import OWNER_KEY
+from simplefsdp.passes.collectives import collective_counts, is_reduce_scatter
+from tests._graphs import capture_step
+from tests.simplefsdp import _compose as C
+from tests.simplefsdp.test_training import FP32_TOL
+
+BACKENDS = ["eager", "aot_eager", "inductor"]
+
+
+@functools.cache
+def _lora_reference() -> C.LoraResult:
+    return C.train_lora_reference()
+
+
+def test_tied_parameter_gathered_and_reduced_once(fake_world8):
+    """The tied embedding / output weight: one all-gather in forward, one reduce-scatter in backward;
+    frozen parameters: gathered, never reduced."""
+    model = simplefsdp.wrap(C.lora_model())
+    unique = dict(model.named_parameters())  # a tied parameter is listed once
+    trainable = {fqn for fqn, p in unique.items() if p.requires_grad}
+    tokens = torch.randint(0, C.TIED.vocab_size, (2, 8))
+    graphs = capture_step(model, lambda compiled: compiled(tokens).sum())
+
+    fwd, bwd = collective_counts(graphs.forward), collective_counts(graphs.backward)
+    assert fwd["all_gather"] == len(unique)
+    reduced = [n.meta.get("custom", {}).get(OWNER_KEY) for n in graphs.backward.graph.nodes if is_reduce_scatter(n)]
+    assert sorted(reduced) == sorted(trainable), "one reduce-scatter per trainable parameter, none for frozen ones"
+    assert reduced.count("tok_embeddings.weight") == 1
+    assert bwd["all_reduce"] == 0
+    assert C.frozen_fqns(model)
+    assert not C.frozen_fqns(model) & set(reduced)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_tied_frozen_lora_training_matches_reference(ranks2, backend):
+    results = ranks2.run(C.train_lora_simplefsdp, backend)
+    ours, reference = results[0], _lora_reference()
+    assert results[1].losses == ours.losses
+    assert ours.tied_is_one_parameter
+    assert reference.tied_is_one_parameter
+    assert ours.frozen_grads == [], "frozen parameters must get no gradient"
+    assert ours.dtypes == reference.dtypes
+    assert {torch.bfloat16, torch.float32} <= set(ours.dtypes.values())
+    torch.testing.assert_close(torch.tensor(ours.losses), torch.tensor(reference.losses), **FP32_TOL)
+    for fqn, value in reference.params.items():
+        torch.testing.assert_close(ours.params[fqn], value, **FP32_TOL, msg=lambda m, fqn=fqn: f"{fqn}: {m}")
+    frozen = [fqn for fqn, dtype in ours.dtypes.items() if dtype == torch.bfloat16]
+    untrained = C.lora_model().state_dict()
+    for fqn in frozen:  # frozen parameters did not move at all
+        assert torch.equal(ours.params[fqn], untrained[fqn])
+    moved = [fqn for fqn in ours.params if fqn not in frozen and not torch.equal(ours.params[fqn], untrained[fqn])]
+    assert len(moved) == len(ours.params) - len(frozen), "every trainable parameter must have been updated"
+
+
+@pytest.mark.parametrize("backend", ["eager", "inductor"])
+def test_clip_grad_norm_is_global(ranks2, backend):
+    """`clip_grad_norm_` on the sharded gradients returns the whole model's norm and clips like one process."""
+    want_norm, want_grads = C.clip_once("reference", 0.05)
+    for norm, grads in ranks2.run(C.clip_once, backend, 0.05):
+        assert want_norm > 0.05, "the test must actually clip"
+        torch.testing.assert_close(torch.tensor(norm), torch.tensor(want_norm), **FP32_TOL)
+        for fqn, grad in want_grads.items():
+            torch.testing.assert_close(grads[fqn], grad, **FP32_TOL, msg=lambda m, fqn=fqn: f"{fqn}: {m}")
+
+
+def test_tied_parameter_reduced_once_in_eager(fake_world8):
+    model = simplefsdp.wrap(C.lora_model())
+    unique = dict(model.named_parameters())
+    tokens = torch.randint(0, C.TIED.vocab_size, (2, 8))
+    with CommDebugMode() as comm:
+        model(tokens).sum().backward()
+    counts = {str(op): n for op, n in comm.get_comm_counts().items()}
+    assert counts == {
+        "c10d_functional.all_gather_into_tensor": len(unique),
+        "c10d_functional.reduce_scatter_tensor": len([p for p in unique.values() if p.requires_grad]),
+    }
