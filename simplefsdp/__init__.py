@@ -4,6 +4,7 @@ model = simplefsdp.wrap(model, mesh)   # parameters become sharded DTensors
 model = torch.compile(model)           # all-gathers / reduce-scatters are traced into the graph
 """
 
+from simplefsdp.accumulate import no_sync
 from simplefsdp.mixed_precision import MixedPrecisionPolicy
 from simplefsdp.parametrize import sharded_parameters
 from simplefsdp.passes import aot_eager as _register_aot_eager_backend  # noqa: F401  (registers the backend)
@@ -18,6 +19,7 @@ __all__ = [
     "PassConfig",
     "ReorderConfig",
     "ShardingStrategy",
+    "no_sync",
     "sharded_parameters",
     "wrap",
 ]

@@ -36,6 +36,7 @@ import torch.fx.traceback as fx_traceback
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate
 from torch.utils.checkpoint import checkpoint
 
+from simplefsdp.accumulate import Accumulation, accumulating_gather
 from simplefsdp.tied import gather_once
 
 __all__ = ["OWNER_KEY", "GatherSpec", "gather_full"]
@@ -60,6 +61,7 @@ class GatherSpec:
     reduce_op: ReduceOp
     reshard_after_forward: bool
     tied: bool = False  # held by several modules: gathered once per root forward (see `tied.py`)
+    accumulation: Accumulation | None = dataclasses.field(default=None, compare=False)  # `no_sync` state
 
     @property
     def full_placements(self) -> tuple[Placement, ...]:
@@ -94,8 +96,12 @@ def gather_full(param: DTensor, spec: GatherSpec) -> torch.Tensor:
     DTensor with `param`'s placements and dtype. A tied parameter is gathered once per root forward.
     """
     if spec.tied:
-        return gather_once(spec.fqn, lambda: _gather(param, spec))
-    return _gather(param, spec)
+        return gather_once(spec.fqn, lambda: _accumulating(param, spec))
+    return _accumulating(param, spec)
+
+
+def _accumulating(param: DTensor, spec: GatherSpec) -> torch.Tensor:
+    return accumulating_gather(spec.accumulation, spec.fqn, param, lambda p: _gather(p, spec))
 
 
 def _gather(param: DTensor, spec: GatherSpec) -> torch.Tensor:

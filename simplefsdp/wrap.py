@@ -11,6 +11,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from simplefsdp._compat import install_rank_aware_dtensor_cache_keys
+from simplefsdp.accumulate import Accumulation, attach
 from simplefsdp.gather import GatherSpec, ReduceOp
 from simplefsdp.mesh import resolve_mesh
 from simplefsdp.mixed_precision import MixedPrecisionPolicy
@@ -136,6 +137,7 @@ def wrap(
 
     sharded: dict[int, nn.Parameter] = {}  # id(original) -> sharded; tied parameters stay one object
     fqns = {id(p): fqn for fqn, p in params.items()}  # a tied parameter is named by its first FQN
+    accumulation = Accumulation()
     holders = Counter(id(p) for m in model.modules() for p in m._parameters.values() if p is not None)
     for module in model.modules():
         specs: dict[str, GatherSpec] = {}
@@ -144,6 +146,8 @@ def wrap(
                 continue
             if id(param) not in sharded:
                 sharded[id(param)] = _shard(param, mesh, strategy)
+                grad_dtype = mp_policy.reduction_dtype(param.dtype)
+                accumulation.add_parameter(fqns[id(param)], sharded[id(param)], grad_dtype=grad_dtype)
             specs[name] = GatherSpec(
                 fqn=fqns[id(param)],
                 mesh_ndim=mesh.ndim,
@@ -152,6 +156,7 @@ def wrap(
                 reduce_op=reduce_op,
                 reshard_after_forward=reshard,
                 tied=holders[id(param)] > 1,
+                accumulation=accumulation,
             )
         for name in specs:
             module._parameters[name] = sharded[id(module._parameters[name])]
@@ -160,6 +165,7 @@ def wrap(
     mp_policy.install_casts(model)
     if any(n > 1 for n in holders.values()):
         install_scope(model)
+    attach(model, accumulation)
     passes_install.install(model, _make_pass(model, passes))
     install_rank_aware_dtensor_cache_keys()
     setattr(model, _ROOT_ATTR, True)

@@ -18,6 +18,7 @@ from torch.distributed.tensor import DTensor
 
 import simplefsdp
 from simplefsdp.models import Transformer
+from simplefsdp.passes.install import pass_of
 from tests.simplefsdp import _training as T
 
 TIED = dataclasses.replace(T.ARGS, tie_embeddings=True)
@@ -118,3 +119,34 @@ def clip_once(backend: str, max_norm: float) -> tuple[float, dict[str, torch.Ten
         for fqn, p in model.named_parameters()
     }
     return norm.item(), grads
+
+
+MICRO_BATCHES = 2
+
+
+def train_accumulating(backend: str, *, accumulate: bool):
+    """FULL_SHARD, this rank's half of each global batch; with `accumulate`, as `MICRO_BATCHES`
+    micro-batches (all but the last inside `no_sync`), each loss scaled by 1 / MICRO_BATCHES.
+    Returns (losses, full parameters, graphs compiled so far after each step, gradients left
+    pending by each step's no_sync block)."""
+    model = simplefsdp.wrap(T.fresh_model())
+    step_fn = model if backend == "eager" else torch.compile(model, backend=backend)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    losses, compiled, deferred = [], [], []
+    for tokens in T.batches():
+        local = tokens.chunk(dist.get_world_size())[dist.get_rank()]
+        parts = local.chunk(MICRO_BATCHES) if accumulate else [local]
+        total = 0.0
+        for i, part in enumerate(parts):
+            with simplefsdp.no_sync(model, enabled=i < len(parts) - 1):
+                loss = T.loss_fn(step_fn, part) / len(parts)
+                loss.backward()
+            if i == 0 and accumulate:
+                deferred.append(len(model._simplefsdp_accumulation.pending))
+            total += loss.item()
+        opt.step()
+        opt.zero_grad()
+        losses.append(total)
+        graph_pass = pass_of(model)
+        compiled.append(graph_pass.graphs if graph_pass else 0)
+    return losses, T.full_params(model), compiled, deferred

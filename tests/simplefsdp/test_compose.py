@@ -18,6 +18,7 @@ from simplefsdp.gather import OWNER_KEY
 from simplefsdp.passes.collectives import collective_counts, is_reduce_scatter
 from tests._graphs import capture_step
 from tests.simplefsdp import _compose as C
+from tests.simplefsdp import _training as T
 from tests.simplefsdp.test_training import FP32_TOL
 
 BACKENDS = ["eager", "aot_eager", "inductor"]
@@ -90,3 +91,40 @@ def test_tied_parameter_reduced_once_in_eager(fake_world8):
         "c10d_functional.all_gather_into_tensor": len(unique),
         "c10d_functional.reduce_scatter_tensor": len([p for p in unique.values() if p.requires_grad]),
     }
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_no_sync_accumulation_equals_one_batch(ranks2, backend):
+    """Two micro-batches, the first under `no_sync`, give the one-batch result; compiled, the graphs
+    are all built in the first steps (deferring / reducing with pending gradients) and then reused."""
+    accumulated = ranks2.run(C.train_accumulating, backend, accumulate=True)
+    whole = ranks2.run(C.train_accumulating, backend, accumulate=False)
+    (losses, params, compiled, deferred), (want_losses, want_params, _, _) = accumulated[0], whole[0]
+    assert deferred == [len(params)] * len(losses), "each no_sync block must leave every gradient pending"
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(want_losses), **FP32_TOL)
+    for fqn, value in want_params.items():
+        torch.testing.assert_close(params[fqn], value, **FP32_TOL, msg=lambda m, fqn=fqn: f"{fqn}: {m}")
+    if backend == "inductor":
+        assert compiled[0] > 0
+        assert compiled[-1] == compiled[1], f"recompiled after warm-up: graphs seen by the pass per step {compiled}"
+
+
+def test_no_sync_defers_every_reduction(fake_world8):
+    model = simplefsdp.wrap(T.fresh_model())
+    tokens = torch.randint(0, T.ARGS.vocab_size, (2, 8))
+    with CommDebugMode() as comm, simplefsdp.no_sync(model):
+        model(tokens).sum().backward()
+    assert set(map(str, comm.get_comm_counts())) == {"c10d_functional.all_gather_into_tensor"}
+    assert all(p.grad is None for p in model.parameters())
+    with CommDebugMode() as comm:
+        model(tokens).sum().backward()
+    counts = {str(op): n for op, n in comm.get_comm_counts().items()}
+    assert counts["c10d_functional.reduce_scatter_tensor"] == len(list(model.parameters()))
+
+
+def test_no_sync_needs_a_wrapped_model():
+    with (
+        pytest.raises(ValueError, match=r"no_sync\(\) needs the model simplefsdp.wrap\(\) returned; Linear"),
+        simplefsdp.no_sync(torch.nn.Linear(2, 2)),
+    ):
+        pass
