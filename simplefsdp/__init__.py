@@ -5,6 +5,7 @@ model = torch.compile(model)           # all-gathers / reduce-scatters are trace
 """
 
 from simplefsdp.accumulate import no_sync
+from simplefsdp.materialize import materialize
 from simplefsdp.mixed_precision import MixedPrecisionPolicy
 from simplefsdp.parametrize import sharded_parameters
 from simplefsdp.passes import aot_eager as _register_aot_eager_backend  # noqa: F401  (registers the backend)
@@ -19,6 +20,7 @@ __all__ = [
     "PassConfig",
     "ReorderConfig",
     "ShardingStrategy",
+    "materialize",
     "no_sync",
     "sharded_parameters",
     "wrap",

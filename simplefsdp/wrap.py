@@ -6,6 +6,7 @@ import dataclasses
 import logging
 from collections import Counter
 
+import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, distribute_tensor
@@ -51,6 +52,8 @@ def _check_wrappable(model: nn.Module, params: dict[str, nn.Parameter]) -> None:
 
 def _device_type(params: dict[str, nn.Parameter]) -> str:
     types = {p.device.type for p in params.values()}
+    if types == {"meta"}:  # built on the meta device: the mesh goes where materialize() will put it
+        return "cuda" if torch.cuda.is_available() else "cpu"
     if len(types) > 1:
         by_type = {t: next(fqn for fqn, p in params.items() if p.device.type == t) for t in sorted(types)}
         raise ValueError(f"parameters live on several device types: {by_type} (an example parameter each)")
@@ -59,7 +62,7 @@ def _device_type(params: dict[str, nn.Parameter]) -> str:
 
 def _check_devices(params: dict[str, nn.Parameter], mesh: DeviceMesh) -> None:
     for fqn, param in params.items():
-        if param.device.type != mesh.device_type:
+        if param.device.type not in (mesh.device_type, "meta"):
             raise ValueError(
                 f"parameter {fqn!r} is on device {param.device} but the mesh is on {mesh.device_type!r}; "
                 f"move the model with model.to({mesh.device_type!r}) before wrapping, or build the mesh on "
@@ -69,8 +72,12 @@ def _check_devices(params: dict[str, nn.Parameter], mesh: DeviceMesh) -> None:
 
 def _shard(param: nn.Parameter, mesh: DeviceMesh, strategy: ShardingStrategy) -> nn.Parameter:
     placements = strategy.placements(param_ndim=param.ndim)
-    # distribute_tensor takes rank 0's values, so ranks that initialised differently still agree.
-    sharded = nn.Parameter(distribute_tensor(param.detach(), mesh, placements), requires_grad=param.requires_grad)
+    # distribute_tensor takes rank 0's values, so ranks that initialised differently still agree;
+    # a meta parameter has no values: each rank makes its (meta) shard locally.
+    source = None if param.is_meta else 0
+    sharded = nn.Parameter(
+        distribute_tensor(param.detach(), mesh, placements, src_data_rank=source), requires_grad=param.requires_grad
+    )
     sharded.__dict__.update(param.__dict__)  # keep user tags such as `_no_weight_decay`
     return sharded
 

@@ -150,3 +150,14 @@ def train_accumulating(backend: str, *, accumulate: bool):
         graph_pass = pass_of(model)
         compiled.append(graph_pass.graphs if graph_pass else 0)
     return losses, T.full_params(model), compiled, deferred
+
+
+def meta_materialize(seed: int) -> tuple[dict[str, torch.Tensor], dict[str, int], int]:
+    """Build on meta, wrap, materialize: (full parameters, local elements per parameter, peak temporary bytes)."""
+    with torch.device("meta"):
+        model = Transformer(T.ARGS)
+    simplefsdp.wrap(model)
+    torch.manual_seed(seed)
+    peak = simplefsdp.materialize(model)
+    local = {fqn: p.to_local().numel() for fqn, p in model.named_parameters()}
+    return T.full_params(model), local, peak

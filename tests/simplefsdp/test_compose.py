@@ -15,6 +15,7 @@ from torch.distributed.tensor.debug import CommDebugMode
 
 import simplefsdp
 from simplefsdp.gather import OWNER_KEY
+from simplefsdp.models import Transformer
 from simplefsdp.passes.collectives import collective_counts, is_reduce_scatter
 from tests._graphs import capture_step
 from tests.simplefsdp import _compose as C
@@ -128,3 +129,34 @@ def test_no_sync_needs_a_wrapped_model():
         simplefsdp.no_sync(torch.nn.Linear(2, 2)),
     ):
         pass
+
+
+def test_meta_init_materializes_shards_like_one_process(ranks2):
+    """Built on meta, wrapped, materialized: each rank holds only its shard, and the full values are
+    bitwise those `torch.manual_seed(seed); Transformer(args)` gives in one process."""
+    torch.manual_seed(7)
+    want = T.full_params(Transformer(T.ARGS))
+    largest = max(v.numel() * v.element_size() for v in want.values())
+    results = ranks2.run(C.meta_materialize, 7)
+    for params, _, peak in results:
+        for fqn, value in want.items():
+            assert torch.equal(params[fqn], value), f"{fqn} differs from the single-process init"
+        assert 0 < peak <= largest, "at most one full parameter at a time"
+    for fqn, value in want.items():  # the ranks' shards partition the parameter: nothing more is allocated
+        per_rank = [local[fqn] for _, local, _ in results]
+        assert sum(per_rank) == value.numel(), fqn
+        assert per_rank[0] == -(-value.shape[0] // 2) * (value.numel() // value.shape[0]), fqn
+
+
+def test_materialize_errors(fake_world8):
+    with pytest.raises(ValueError, match=r"Linear has no sharded parameters: call simplefsdp\.wrap"):
+        simplefsdp.materialize(torch.nn.Linear(2, 2))
+    with torch.device("meta"):
+        model = torch.nn.Linear(16, 4)
+    simplefsdp.wrap(model)
+
+    def view_init(m):
+        m.weight.view(-1).zero_()
+
+    with pytest.raises(RuntimeError, match=r"takes a view \(view\) of a sharded parameter of shape \(4, 16\)"):
+        simplefsdp.materialize(model, init=view_init)
