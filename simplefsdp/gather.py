@@ -60,7 +60,9 @@ class GatherSpec:
     reduce_dtype: torch.dtype | None
     reduce_op: ReduceOp
     reshard_after_forward: bool
-    tied: bool = False  # held by several modules: gathered once per root forward (see `tied.py`)
+    # held by several modules: gathered once per root forward under this key, unique across
+    # wrapped models (see `tied.py`); None for a parameter with one holder
+    tied_key: str | None = None
     accumulation: Accumulation | None = dataclasses.field(default=None, compare=False)  # `no_sync` state
 
     @property
@@ -95,8 +97,8 @@ def gather_full(param: DTensor, spec: GatherSpec) -> torch.Tensor:
     Its gradient is reduced over the mesh in `spec.reduce_dtype` and lands in `param.grad` as a
     DTensor with `param`'s placements and dtype. A tied parameter is gathered once per root forward.
     """
-    if spec.tied:
-        return gather_once(spec.fqn, lambda: _accumulating(param, spec))
+    if spec.tied_key is not None:
+        return gather_once(spec.tied_key, lambda: _accumulating(param, spec))
     return _accumulating(param, spec)
 
 

@@ -43,15 +43,10 @@ def _post_order(module: nn.Module) -> Iterator[nn.Module]:
 
 
 def reset_in_construction_order(model: nn.Module) -> None:
-    """Call every module's own `reset_parameters()`, children before parents."""
+    """Call every module's `reset_parameters()`, children before parents."""
     for module in _post_order(model):
-        if callable(getattr(module, "reset_parameters", None)) and "reset_parameters" in _own_attrs(module):
+        if callable(getattr(module, "reset_parameters", None)):
             module.reset_parameters()
-
-
-def _own_attrs(module: nn.Module) -> set[str]:
-    """Names defined by the module's class hierarchy below `nn.Module` (not nn.Module's own)."""
-    return {name for cls in type(module).__mro__ if cls is not nn.Module for name in vars(cls)}
 
 
 # ops that overwrite every element (no need to read the current value first)
@@ -68,6 +63,8 @@ class _Replay(TorchFunctionMode):
     """Redirects in-place ops on sharded parameters to one full temporary tensor at a time."""
 
     params: dict[int, DTensor]
+    buffers: set[int]  # ids of the buffers; those an in-place op wrote move to `written`
+    written: set[int] = dataclasses.field(default_factory=set)
     current: DTensor | None = None
     full: torch.Tensor | None = None
     peak_full_bytes: int = 0
@@ -95,6 +92,8 @@ class _Replay(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = dict(kwargs or {})
         name = getattr(func, "__name__", "")
+        if args and id(args[0]) in self.buffers and name.endswith("_"):
+            self.written.add(id(args[0]))
         # nn.init.* take the tensor as `tensor=` when they dispatch here; Tensor methods as args[0]
         in_kwargs = id(kwargs.get("tensor")) in self.params
         target = kwargs["tensor"] if in_kwargs else (args[0] if args else None)
@@ -109,6 +108,7 @@ class _Replay(TorchFunctionMode):
             return func(*args, **kwargs)  # a read (size(), dim(), ...): the DTensor answers globally
         if target is not self.current:
             self._start(target, name)
+            self.written.add(id(target))
         if in_kwargs:
             kwargs["tensor"] = self.full
         else:
@@ -136,12 +136,35 @@ def materialize(
         raise ValueError(
             f"{type(model).__name__} has no sharded parameters: call simplefsdp.wrap() before materialize()"
         )
+    real = [fqn for fqn, t in [*params.items(), *model.named_buffers()] if not _local(t).is_meta]
+    real += [fqn for fqn, p in model.named_parameters() if fqn not in params and not p.is_meta]
+    if real:
+        raise ValueError(f"materialize() would overwrite tensors that are not on the meta device: {_names(real)}")
     if device is None:
         device = next(iter(params.values())).device_mesh.device_type
     model.to_empty(device=device)
-    replay = _Replay({id(p): p for p in model.parameters() if isinstance(p, DTensor)})
+    tensors = {fqn: t for fqn, t in [*model.named_parameters(), *model.named_buffers()]}
+    replay = _Replay(
+        params={id(p): p for p in model.parameters() if isinstance(p, DTensor)},
+        buffers={id(b) for b in model.buffers()},
+    )
     with sharded_parameters(model):
         with replay:
             (init or reset_in_construction_order)(model)
         replay.flush()
+    unset = [fqn for fqn, t in tensors.items() if id(t) not in replay.written]
+    if unset:
+        raise ValueError(
+            f"the init left {_names(unset)} uninitialized (built on meta, never written): set them in "
+            "their module's reset_parameters() or in the init= you pass"
+        )
     return replay.peak_full_bytes
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _names(fqns: list[str]) -> str:
+    shown = ", ".join(repr(f) for f in fqns[:8])
+    return shown + (f" and {len(fqns) - 8} more" if len(fqns) > 8 else "")

@@ -31,14 +31,14 @@ _SCOPES: list[dict[str, torch.Tensor]] = []  # one per root forward in progress,
 _INSTALLED = "_simplefsdp_tied_scope_hooks"
 
 
-def gather_once(fqn: str, gather: Callable[[], torch.Tensor]) -> torch.Tensor:
-    """`gather()`'s result, computed at most once per root forward for the parameter `fqn`."""
+def gather_once(key: str, gather: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """`gather()`'s result, computed at most once per root forward for the parameter `key` names."""
     if not _SCOPES:
         return gather()
     scope = _SCOPES[-1]
-    if fqn not in scope:
-        scope[fqn] = gather()
-    return scope[fqn]
+    if key not in scope:
+        scope[key] = gather()
+    return scope[key]
 
 
 def _open(module: nn.Module, args: tuple) -> None:

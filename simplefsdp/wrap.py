@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 from collections import Counter
 
@@ -28,6 +29,7 @@ __all__ = ["wrap"]
 logger = logging.getLogger(__name__)
 
 _ROOT_ATTR = "_simplefsdp_wrapped"  # set on the module wrap() was called on
+_WRAP_IDS = itertools.count()
 
 
 def _floating_params(model: nn.Module) -> dict[str, nn.Parameter]:
@@ -145,6 +147,7 @@ def wrap(
     sharded: dict[int, nn.Parameter] = {}  # id(original) -> sharded; tied parameters stay one object
     fqns = {id(p): fqn for fqn, p in params.items()}  # a tied parameter is named by its first FQN
     accumulation = Accumulation()
+    wrap_id = next(_WRAP_IDS)  # tells apart the tied parameters of different wrapped models
     holders = Counter(id(p) for m in model.modules() for p in m._parameters.values() if p is not None)
     for module in model.modules():
         specs: dict[str, GatherSpec] = {}
@@ -162,7 +165,7 @@ def wrap(
                 reduce_dtype=mp_policy.reduction_dtype(param.dtype),
                 reduce_op=reduce_op,
                 reshard_after_forward=reshard,
-                tied=holders[id(param)] > 1,
+                tied_key=f"{wrap_id}/{fqns[id(param)]}" if holders[id(param)] > 1 else None,
                 accumulation=accumulation,
             )
         for name in specs:

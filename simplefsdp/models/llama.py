@@ -125,7 +125,9 @@ class Transformer(nn.Module):
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        """Llama-style init: normal(0, 0.02) embeddings, depth-scaled output projections."""
+        """Llama-style init: normal(0, 0.02) embeddings, depth-scaled output projections; the rope tables."""
+        with torch.no_grad():
+            self.rope.copy_(rope_tables(self.args))
         nn.init.normal_(self.tok_embeddings.weight, std=0.02)
         for layer in self.layers:
             for linear in (

@@ -152,12 +152,15 @@ def train_accumulating(backend: str, *, accumulate: bool):
     return losses, T.full_params(model), compiled, deferred
 
 
-def meta_materialize(seed: int) -> tuple[dict[str, torch.Tensor], dict[str, int], int]:
-    """Build on meta, wrap, materialize: (full parameters, local elements per parameter, peak temporary bytes)."""
+def meta_materialize(seed: int) -> tuple[dict[str, torch.Tensor], dict[str, int], int, torch.Tensor]:
+    """Build on meta, wrap, materialize: (full parameters, local elements per parameter, peak
+    temporary bytes, logits of the first batch)."""
     with torch.device("meta"):
         model = Transformer(T.ARGS)
     simplefsdp.wrap(model)
     torch.manual_seed(seed)
     peak = simplefsdp.materialize(model)
     local = {fqn: p.to_local().numel() for fqn, p in model.named_parameters()}
-    return T.full_params(model), local, peak
+    with torch.no_grad():
+        logits = model(T.batches(1)[0][:, :-1])
+    return T.full_params(model), local, peak, logits

@@ -135,15 +135,19 @@ def test_meta_init_materializes_shards_like_one_process(ranks2):
     """Built on meta, wrapped, materialized: each rank holds only its shard, and the full values are
     bitwise those `torch.manual_seed(seed); Transformer(args)` gives in one process."""
     torch.manual_seed(7)
-    want = T.full_params(Transformer(T.ARGS))
+    reference = Transformer(T.ARGS)
+    want = T.full_params(reference)
+    with torch.no_grad():
+        want_logits = reference(T.batches(1)[0][:, :-1])
     largest = max(v.numel() * v.element_size() for v in want.values())
     results = ranks2.run(C.meta_materialize, 7)
-    for params, _, peak in results:
+    for params, _, peak, logits in results:
+        torch.testing.assert_close(logits, want_logits, **FP32_TOL)  # buffers (rope tables) set too
         for fqn, value in want.items():
             assert torch.equal(params[fqn], value), f"{fqn} differs from the single-process init"
         assert 0 < peak <= largest, "at most one full parameter at a time"
     for fqn, value in want.items():  # the ranks' shards partition the parameter: nothing more is allocated
-        per_rank = [local[fqn] for _, local, _ in results]
+        per_rank = [local[fqn] for _, local, _, _ in results]
         assert sum(per_rank) == value.numel(), fqn
         assert per_rank[0] == -(-value.shape[0] // 2) * (value.numel() // value.shape[0]), fqn
 
@@ -160,3 +164,20 @@ def test_materialize_errors(fake_world8):
 
     with pytest.raises(RuntimeError, match=r"takes a view \(view\) of a sharded parameter of shape \(4, 16\)"):
         simplefsdp.materialize(model, init=view_init)
+
+    real = simplefsdp.wrap(torch.nn.Sequential(torch.nn.Linear(16, 4)))
+    with pytest.raises(ValueError, match=r"would overwrite tensors that are not on the meta device: '0.weight'"):
+        simplefsdp.materialize(real)
+
+    class Scale(torch.nn.Module):  # sets its parameter in __init__ only: nothing to replay
+        def __init__(self):
+            super().__init__()
+            self.linear = torch.nn.Linear(16, 16)
+            self.gain = torch.nn.Parameter(torch.ones(16))
+            self.register_buffer("offset", torch.zeros(16))
+
+    with torch.device("meta"):
+        scale = Scale()
+    simplefsdp.wrap(scale)
+    with pytest.raises(ValueError, match=r"left 'gain', 'offset' uninitialized \(built on meta, never written\)"):
+        simplefsdp.materialize(scale)
