@@ -92,11 +92,11 @@ class _Replay(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = dict(kwargs or {})
         name = getattr(func, "__name__", "")
-        if args and id(args[0]) in self.buffers and name.endswith("_"):
-            self.written.add(id(args[0]))
         # nn.init.* take the tensor as `tensor=` when they dispatch here; Tensor methods as args[0]
-        in_kwargs = id(kwargs.get("tensor")) in self.params
+        in_kwargs = "tensor" in kwargs
         target = kwargs["tensor"] if in_kwargs else (args[0] if args else None)
+        if id(target) in self.buffers and name.endswith("_"):
+            self.written.add(id(target))
         if id(target) not in self.params:
             return func(*args, **kwargs)
         if name in _VIEWS:

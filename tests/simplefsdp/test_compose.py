@@ -181,3 +181,16 @@ def test_materialize_errors(fake_world8):
     simplefsdp.wrap(scale)
     with pytest.raises(ValueError, match=r"left 'gain', 'offset' uninitialized \(built on meta, never written\)"):
         simplefsdp.materialize(scale)
+
+    class ResetScale(Scale):
+        def reset_parameters(self):
+            torch.nn.init.ones_(self.gain)
+            torch.nn.init.zeros_(self.offset)
+
+    with torch.device("meta"):
+        reset_scale = ResetScale()
+    simplefsdp.wrap(reset_scale)
+    simplefsdp.materialize(reset_scale)
+    assert torch.equal(reset_scale.offset, torch.zeros(16))
+    with simplefsdp.sharded_parameters(reset_scale):
+        assert torch.equal(reset_scale.gain.full_tensor(), torch.ones(16))
