@@ -44,6 +44,7 @@ class Accumulation:
     """One wrapped model's accumulation state, shared by all of its parameters' gather specs."""
 
     depth: int = 0  # open no_sync blocks; deferring while > 0
+    params: dict[str, tuple[DTensor, torch.dtype]] = dataclasses.field(default_factory=dict)  # fqn -> grad dtype
     sinks: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)  # fqn -> zero-stride leaf
     pending: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)  # fqn -> unreduced sum
 
@@ -52,9 +53,18 @@ class Accumulation:
         return self.depth > 0
 
     def add_parameter(self, fqn: str, param: DTensor, *, grad_dtype: torch.dtype) -> None:
-        """Give `param` a sink: a leaf of its full shape and `grad_dtype`, one element of storage."""
-        sink = torch.empty_strided(param.shape, (0,) * param.ndim, dtype=grad_dtype, device=param.device)
-        self.sinks[fqn] = sink.requires_grad_()
+        """Track `param`, whose deferred gradient accumulates in `grad_dtype`."""
+        self.params[fqn] = (param, grad_dtype)
+
+    def make_sinks(self) -> None:
+        """A sink per parameter on its current device (built once, so compiled graphs see the same
+        leaves; rebuilt only if the parameter moved, e.g. from meta by `materialize`): a leaf of
+        the full shape in the gradient dtype, one element of storage."""
+        for fqn, (param, grad_dtype) in self.params.items():
+            device = param.to_local().device
+            if fqn not in self.sinks or self.sinks[fqn].device != device:
+                sink = torch.empty_strided(param.shape, (0,) * param.ndim, dtype=grad_dtype, device=device)
+                self.sinks[fqn] = sink.requires_grad_()
 
 
 class _Tap(torch.autograd.Function):
@@ -125,6 +135,7 @@ def no_sync(model: nn.Module, *, enabled: bool = True) -> Iterator[None]:
     if not enabled:
         yield
         return
+    state.make_sinks()
     state.depth += 1
     try:
         yield

@@ -161,6 +161,16 @@ def meta_materialize(seed: int) -> tuple[dict[str, torch.Tensor], dict[str, int]
     torch.manual_seed(seed)
     peak = simplefsdp.materialize(model)
     local = {fqn: p.to_local().numel() for fqn, p in model.named_parameters()}
+    tokens = T.batches(1)[0]
     with torch.no_grad():
-        logits = model(T.batches(1)[0][:, :-1])
+        logits = model(tokens[:, :-1])
+    # accumulation works on the materialized model: the same batch twice, the first deferred
+    T.loss_fn(model, tokens).backward()
+    once = {fqn: p.grad.full_tensor() for fqn, p in model.named_parameters()}
+    model.zero_grad()
+    with simplefsdp.no_sync(model):
+        T.loss_fn(model, tokens).backward()
+    T.loss_fn(model, tokens).backward()
+    for fqn, p in model.named_parameters():
+        torch.testing.assert_close(p.grad.full_tensor(), 2 * once[fqn], msg=fqn)
     return T.full_params(model), local, peak, logits
