@@ -1,0 +1,36 @@
+"""Checkpoints: sharded (DCP) save / load that survives crashes and resharding, full-state export / import.
+
+    from simplefsdp import checkpoint
+
+    checkpoint.save_checkpoint(root, step=step, model=model, optimizer=opt, extra={"data_offset": n})
+    resumed = checkpoint.load_checkpoint(root, model=model, optimizer=opt, missing_ok=True)
+
+See `sharded.py` for the layout and the atomic-write protocol, `safe_reader.py` for why loading never
+runs pickled code.
+"""
+
+from simplefsdp.checkpoint.errors import (
+    CheckpointCorruptError,
+    CheckpointError,
+    RankTimeoutError,
+    StateDictMismatchError,
+)
+from simplefsdp.checkpoint.sharded import (
+    LoadedCheckpoint,
+    latest_checkpoint,
+    list_checkpoints,
+    load_checkpoint,
+    save_checkpoint,
+)
+
+__all__ = [
+    "CheckpointCorruptError",
+    "CheckpointError",
+    "LoadedCheckpoint",
+    "RankTimeoutError",
+    "StateDictMismatchError",
+    "latest_checkpoint",
+    "list_checkpoints",
+    "load_checkpoint",
+    "save_checkpoint",
+]

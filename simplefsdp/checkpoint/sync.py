@@ -1,0 +1,73 @@
+"""Collective helpers for checkpointing: rank / world without a process group, timed barriers, agreement.
+
+Every function here is a collective when a process group is initialised (all ranks must call it in
+the same order) and a local no-op without one, so the checkpoint functions also run in one plain
+process.
+
+[Note: a rank that disappears]
+Under torchrun a dead rank takes the job down and the agent restarts it. Outside torchrun nothing
+watches the ranks, so a survivor waits in the next collective. Two things bound that wait:
+- `init_process_group(timeout=...)`: every collective of the group (the training step's included)
+  fails after that long, with the backend's own message (gloo: "Timed out waiting ... for recv");
+- at the start and end of every checkpoint save / load, `wait_for_all_ranks(timeout=)`. On gloo it
+  is torch's `monitored_barrier`, whose error names the ranks that did not arrive; we re-raise it
+  as a `RankTimeoutError` saying what was being done. Other backends have no monitored barrier:
+  there the plain barrier is bounded by the group's own timeout.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+
+from simplefsdp.checkpoint.errors import RankTimeoutError
+
+__all__ = ["all_gather_objects", "broadcast_object", "is_distributed", "rank", "wait_for_all_ranks", "world_size"]
+
+
+def is_distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def rank() -> int:
+    return dist.get_rank() if is_distributed() else 0
+
+
+def world_size() -> int:
+    return dist.get_world_size() if is_distributed() else 1
+
+
+def wait_for_all_ranks(*, what: str, timeout: timedelta) -> None:
+    """Return once every rank has called this; raise `RankTimeoutError` naming `what` after `timeout`."""
+    if not is_distributed() or world_size() == 1:
+        return
+    try:
+        if dist.get_backend() == "gloo":
+            dist.monitored_barrier(timeout=timeout, wait_all_ranks=True)
+        else:
+            dist.barrier()
+    except RuntimeError as err:
+        raise RankTimeoutError(
+            f"rank {rank()}: not every rank reached {what} within {timeout.total_seconds():g}s "
+            f"(a rank died, hangs, or skipped the call): {err}"
+        ) from err
+
+
+def all_gather_objects(value: Any) -> list[Any]:
+    """Every rank's `value`, indexed by rank (JSON-like values only: the transport pickles them)."""
+    if not is_distributed():
+        return [value]
+    gathered: list[Any] = [None] * world_size()
+    dist.all_gather_object(gathered, value)
+    return gathered
+
+
+def broadcast_object(value: Any) -> Any:
+    """Rank 0's `value` on every rank."""
+    if not is_distributed():
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
