@@ -1,0 +1,41 @@
+"""The `simplefsdp` command: a small dispatcher over subcommands, each owned by its own module.
+
+    simplefsdp inspect MODEL [options]     # simplefsdp/inspect/cli.py
+
+A subcommand module provides `main(argv) -> int`; add one with an entry in `_SUBCOMMANDS`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from collections.abc import Sequence
+
+__all__ = ["main"]
+
+_SUBCOMMANDS = {
+    "inspect": ("simplefsdp.inspect.cli", "dry-run a model: buckets, schedule, memory, timeline pictures"),
+}
+
+
+def _usage() -> str:
+    lines = ["usage: simplefsdp <command> [options]", "", "commands:"]
+    lines += [f"  {name:<10} {summary}" for name, (_, summary) in _SUBCOMMANDS.items()]
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] in ("-h", "--help"):
+        print(_usage())
+        return 0 if args else 2
+    command, rest = args[0], args[1:]
+    if command not in _SUBCOMMANDS:
+        print(f"simplefsdp: unknown command {command!r}\n\n{_usage()}", file=sys.stderr)
+        return 2
+    module = importlib.import_module(_SUBCOMMANDS[command][0])
+    return module.main(rest)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,181 @@
+"""`simplefsdp inspect`: dry-run a model and show buckets, schedule, memory and a timeline.
+
+    simplefsdp inspect llama3-70b --world 1024 --device h100 --out inspect-70b/
+    simplefsdp inspect small-8 --world 8 --code --out inspect-small/   # also inductor's code (CPU)
+    simplefsdp inspect mypkg.models:build --world 64                   # a factory -> (model, input)
+
+The output is this command's product, so it prints (rich tables); the library logs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+import simplefsdp
+from simplefsdp.inspect.buckets import module_summary
+from simplefsdp.inspect.dryrun import DryRunResult, dry_run
+from simplefsdp.inspect.shapes import SHAPES, ModelShape, model_shape
+from simplefsdp.passes import cost
+from simplefsdp.strategy import ShardingStrategy
+
+__all__ = ["add_arguments", "main", "run"]
+
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def _mib(nbytes: float) -> str:
+    return f"{nbytes / 2**20:,.2f} MiB" if nbytes < 2**30 else f"{nbytes / 2**30:,.2f} GiB"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model", help=f"a shape ({', '.join(SHAPES)}) or 'module:function' -> (model, example input)")
+    parser.add_argument("--world", type=int, default=8, help="data-parallel world size (fake process group)")
+    parser.add_argument("--device", default="h100", help=f"device profile: {', '.join(sorted(cost.PROFILES))}")
+    parser.add_argument("--strategy", default="FULL_SHARD", help=", ".join(ShardingStrategy.__members__))
+    parser.add_argument("--shard-size", type=int, default=None, help="ranks per shard group (HYBRID_* only)")
+    parser.add_argument("--param-dtype", choices=sorted(_DTYPES), default="bf16", help="all-gather / compute dtype")
+    parser.add_argument("--reduce-dtype", choices=sorted(_DTYPES), default="fp32", help="gradient reduction dtype")
+    parser.add_argument(
+        "--plan", choices=["blocks", "auto", "none"], default="blocks", help="bucket plan; none: no passes"
+    )
+    parser.add_argument("--batch", type=int, default=None, help="per-rank batch (shapes only)")
+    parser.add_argument("--seq", type=int, default=None, help="sequence length (shapes only)")
+    parser.add_argument("--optimizer", choices=["adamw", "sgd", "none"], default="adamw")
+    parser.add_argument("--max-traced-blocks", type=int, default=8, help="deeper shapes: trace 3 and 4, extrapolate")
+    parser.add_argument("--code", action="store_true", help="build on the CPU, compile with inductor, keep its code")
+    parser.add_argument("--out", default=None, help="directory for graphs, code, JSON tables and timeline.png/html")
+    parser.add_argument("--rows", type=int, default=20, help="rows shown per table (all are in --out's JSON)")
+
+
+def _factory(spec: str) -> Callable[[], tuple[torch.nn.Module, Any]]:
+    module_name, _, attr = spec.partition(":")
+    try:
+        return getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as error:
+        raise ValueError(f"cannot load model factory {spec!r}: {error}") from error
+
+
+def _model(args: argparse.Namespace) -> str | ModelShape | Callable[[], tuple[torch.nn.Module, Any]]:
+    if ":" in args.model:
+        return _factory(args.model)
+    shape = model_shape(args.model)
+    if not args.code:
+        return shape
+
+    def on_cpu() -> tuple[torch.nn.Module, Any]:
+        torch.manual_seed(0)
+        return shape.build(device="cpu"), shape.example_input(batch=args.batch, seq=args.seq, device="cpu")
+
+    on_cpu.__name__ = shape.name
+    return on_cpu
+
+
+def run(args: argparse.Namespace) -> DryRunResult:
+    """Dry-run per the parsed arguments; returns the result (the CLI prints it)."""
+    if args.plan == "none":
+        passes = None
+    else:
+        passes = simplefsdp.PassConfig(bucket=simplefsdp.BucketConfig(plan=args.plan, device=args.device))
+    return dry_run(
+        _model(args),
+        world_size=args.world,
+        device=args.device,
+        strategy=args.strategy,
+        shard_size=args.shard_size,
+        mp_policy=simplefsdp.MixedPrecisionPolicy(
+            param_dtype=_DTYPES[args.param_dtype], reduce_dtype=_DTYPES[args.reduce_dtype]
+        ),
+        passes=passes,
+        batch=args.batch,
+        seq=args.seq,
+        optimizer=args.optimizer,
+        max_traced_blocks=args.max_traced_blocks,
+        code=args.code,
+    )
+
+
+def _tables(result: DryRunResult, rows: int) -> list[Table]:
+    report, schedule, memory = result.report, result.report.schedule, result.report.memory
+    summary = Table(title="simplefsdp inspect: dry run", show_header=False)
+    summary.add_row(
+        "model",
+        f"{result.model} ({sum(p.numel() for p in report.capture.model.parameters()) / 1e6:,.1f}M parameters traced)",
+    )
+    summary.add_row("world / device", f"{result.world_size} ranks, {result.device.name}")
+    summary.add_row(
+        "traced",
+        "in full"
+        if not result.extrapolated
+        else f"{result.traced_blocks[0]} and {result.traced_blocks[1]} of {result.n_layers} blocks; "
+        "numbers below the tables are extrapolated per block, tables show the last trace",
+    )
+    summary.add_row("step time", f"{result.step_s * 1e3:,.3f} ms")
+    summary.add_row("exposed communication", f"{result.exposed_pct:.1f}% ({result.exposed_s * 1e3:,.3f} ms)")
+    summary.add_row("peak memory / rank", _mib(result.peak_bytes))
+
+    buckets = Table(title="buckets (one row per collective, launch order)")
+    for column in ("id", "phase", "collective", "modules", "params", "elements", "bytes", "dtype", "group"):
+        buckets.add_column(column, justify="right" if column in ("id", "params", "elements", "bytes") else "left")
+    for row in report.buckets[:rows]:
+        buckets.add_row(
+            str(row.id),
+            row.phase,
+            row.collective,
+            module_summary(row.modules),
+            str(len(row.parameters)),
+            f"{row.numel:,}",
+            _mib(row.nbytes),
+            str(row.dtype).removeprefix("torch."),
+            str(row.group_size),
+        )
+
+    timing = Table(title=f"schedule on {schedule.device.name} (cost model)")
+    for column in ("collective", "launched before", "waited before", "comm ms", "overlap ms", "exposed ms", "status"):
+        timing.add_column(column)
+    for event in schedule.comm[:rows]:
+        style = {"exposed": "red", "partly exposed": "yellow"}.get(event.status, "green")
+        timing.add_row(
+            f"{event.phase[:3]} {event.collective}",
+            event.launched_before,
+            event.waited_before,
+            f"{event.duration_s * 1e3:.3f}",
+            f"{event.compute_between_s * 1e3:.3f}",
+            f"{event.exposed_s * 1e3:.3f}",
+            f"[{style}]{event.status}[/{style}]",
+        )
+
+    mem = Table(title="memory per rank (traced model)", show_header=False)
+    mem.add_row("sharded parameters", _mib(memory.params_bytes))
+    mem.add_row("sharded gradients", _mib(memory.grads_bytes))
+    mem.add_row("optimizer state", _mib(memory.optimizer_bytes))
+    mem.add_row("activations saved for backward", _mib(memory.activations_bytes))
+    mem.add_row("max in-flight gathered / comm buffers", _mib(memory.max_in_flight_bytes))
+    mem.add_row("forward peak (transient)", _mib(memory.forward.peak_bytes))
+    mem.add_row("backward peak (transient, incl. gradients)", _mib(memory.backward.peak_bytes))
+    mem.add_row("peak", _mib(memory.peak_bytes))
+    return [summary, buckets, timing, mem]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="simplefsdp inspect", description=__doc__.split("\n")[0])
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    console = Console()
+    try:
+        result = run(args)
+    except (ValueError, RuntimeError) as error:
+        console.print(f"[red]error:[/red] {error}")
+        return 2
+    for table in _tables(result, args.rows):
+        console.print(table)
+    if args.out:
+        written = result.report.save(args.out)
+        console.print(f"wrote {', '.join(str(p) for p in written.values())}")
+    return 0

@@ -1,0 +1,102 @@
+"""`inspect_model`: capture a wrapped model's step and derive the bucket table, schedule and memory."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import fx
+
+from simplefsdp.inspect.buckets import BucketRow, bucket_table, module_summary
+from simplefsdp.inspect.capture import StepCapture, capture_step, default_loss
+from simplefsdp.inspect.memory import MemoryEstimate, estimate_memory
+from simplefsdp.inspect.schedule import StepSchedule, simulate_step
+from simplefsdp.inspect.timeline import save_html, save_png
+from simplefsdp.passes import cost
+
+__all__ = ["Report", "inspect_model", "resolve_profile"]
+
+
+def resolve_profile(device: str | cost.DeviceProfile) -> cost.DeviceProfile:
+    """A profile object as is, or the named one of `cost.PROFILES` (an error lists the known names)."""
+    return device if isinstance(device, cost.DeviceProfile) else cost.profile(device)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Report:
+    capture: StepCapture
+    buckets: list[BucketRow]
+    schedule: StepSchedule
+    memory: MemoryEstimate
+
+    def graph_text(self, phase: str) -> str:
+        """The post-pass FX graph of `phase` ("forward" / "backward") as readable Python."""
+        graph = getattr(self.capture, phase)
+        return fx.GraphModule(torch.nn.Module(), graph).print_readable(print_output=False)
+
+    def summary(self) -> dict[str, Any]:
+        """The headline numbers, JSON-ready."""
+        return {
+            "profile": self.schedule.device.name,
+            "world_size": self.capture.world_size,
+            "step_ms": self.schedule.step_s * 1e3,
+            "exposed_comm_pct": self.schedule.exposed_pct,
+            "peak_memory_bytes_per_rank": self.memory.peak_bytes,
+            "collectives": len(self.buckets),
+        }
+
+    def save(self, out_dir: str | Path) -> dict[str, Path]:
+        """Write graphs, inductor code (if captured), the tables as JSON and both timeline pictures."""
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        written = {}
+        for phase in ("forward", "backward"):
+            written[f"{phase}_graph"] = out / f"{phase}_graph.py"
+            written[f"{phase}_graph"].write_text(self.graph_text(phase))
+            code = getattr(self.capture, f"{phase}_code")
+            if code is not None:
+                written[f"{phase}_code"] = out / f"{phase}_inductor_code.py"
+                written[f"{phase}_code"].write_text(code)
+        tables = {
+            "summary": self.summary(),
+            "buckets": [
+                {**dataclasses.asdict(row), "dtype": str(row.dtype), "modules": module_summary(row.modules)}
+                for row in self.buckets
+            ],
+            "schedule": [{**dataclasses.asdict(event), "status": event.status} for event in self.schedule.comm],
+            "memory": dataclasses.asdict(self.memory) | {"peak_bytes": self.memory.peak_bytes},
+        }
+        written["tables"] = out / "inspect.json"
+        written["tables"].write_text(json.dumps(tables, indent=1, default=str))
+        written["timeline_png"] = save_png(self.schedule, out / "timeline.png")
+        written["timeline_html"] = save_html(self.schedule, out / "timeline.html")
+        return written
+
+
+def inspect_model(
+    model: torch.nn.Module,
+    example_input: Any,
+    *,
+    device: str | cost.DeviceProfile = "h100",
+    optimizer: str = "adamw",
+    code: bool = False,
+    loss_fn: Callable[[Any], torch.Tensor] = default_loss,
+) -> Report:
+    """Capture one training step of `model` (wrapped by `simplefsdp.wrap`) on `example_input` and
+    analyse it for the device profile `device` (see `capture_step` for `code` and `loss_fn`).
+
+    Runs under whatever process group the model was wrapped on (the fake one for a dry run)."""
+    profile = resolve_profile(device)
+    captured = capture_step(model, example_input, loss_fn=loss_fn, code=code)
+    return Report(
+        capture=captured,
+        buckets=bucket_table(captured),
+        schedule=simulate_step(
+            captured.forward, captured.backward, device=profile, model=captured.model, optimizer=optimizer
+        ),
+        memory=estimate_memory(captured, optimizer=optimizer),
+    )

@@ -1,0 +1,289 @@
+"""The schedule view: when each collective runs against the compute, per the cost model.
+
+[Note: the two-stream model]
+A GPU runs a compiled graph on a compute stream and its collectives on one communication stream
+per process group. `simulate` replays a post-pass graph in node order with
+`passes/cost.py` (the same model the `auto` bucket plan uses):
+- a compute node advances the compute clock by its roofline seconds;
+- a collective launch starts when both the compute clock has reached it and its group's stream
+  is free, and lasts its alpha-beta seconds;
+- a wait stalls the compute clock until its collective has finished; that stall is the
+  collective's *exposed* time.
+A collective is "overlapped" if its wait never stalls (within 1% of its duration), "exposed" if
+no compute runs between its launch and its wait, "partly exposed" otherwise. Step time is the
+forward, then the backward, then the optimizer update of this rank's shards (memory bound:
+`optimizer_bytes_per_element` bytes read and written per sharded element).
+
+Invariant: the result depends only on the graph and the profile (never on timing), so it is
+the same on every rank and every run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import operator
+import re
+
+import torch
+from torch import fx
+from torch.utils.flop_counter import flop_registry
+
+from simplefsdp.inspect.buckets import collective_kind, group_of
+from simplefsdp.passes import cost
+from simplefsdp.passes.collectives import is_wait
+from simplefsdp.passes.plan import find_repeated_blocks
+
+__all__ = [
+    "OPTIMIZER_BYTES_PER_ELEMENT",
+    "CommEvent",
+    "ComputeSpan",
+    "PhaseSchedule",
+    "StepSchedule",
+    "compute_seconds",
+    "module_path",
+    "simulate",
+    "simulate_step",
+]
+
+# bytes read + written per fp32 sharded element by one optimizer step: SGD reads the grad and
+# reads / writes the param; AdamW also reads / writes two moments
+OPTIMIZER_BYTES_PER_ELEMENT = {"adamw": 4 + 8 + 16, "sgd": 4 + 8, "none": 0}
+
+_RESHAPES = {torch.ops.aten.reshape.default, torch.ops.aten._unsafe_view.default, operator.getitem}
+
+
+def compute_seconds(device: cost.DeviceProfile, node: fx.Node) -> float:
+    """`cost.node_seconds`, except that reshapes (views when contiguous, as in these graphs) and
+    `getitem` (which picks one output of a multi-output op) are free."""
+    return 0.0 if node.target in _RESHAPES else cost.node_seconds(device, node)
+
+
+_STACK_PART = re.compile(r"\[['\"]?([^'\"\]]+)['\"]?\]")
+
+
+def module_path(node: fx.Node) -> str:
+    """FQN of the innermost module the node was traced in ("" at the root or if unknown)."""
+    stack = node.meta.get("nn_module_stack") or node.meta.get("fwd_nn_module_stack") or {}
+    if not stack:
+        return ""
+    path = next(reversed(stack.values()))[0]  # e.g. "L['self'].layers[0].attention" or "L['self']._modules['x']"
+    path = path.removeprefix("L['self']").replace("._modules", "")
+    return _STACK_PART.sub(r".\1", path).strip(".")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ComputeSpan:
+    """Consecutive compute of one module group (a repeated block, or a top-level module)."""
+
+    start_s: float
+    end_s: float
+    label: str
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CommEvent:
+    phase: str
+    name: str  # launch node
+    collective: str
+    lane: str  # process group name: collectives of one group run one after another
+    nbytes: int  # full buffer bytes (what the alpha-beta model charges)
+    launch_s: float  # compute clock at the launch
+    start_s: float  # when the stream is free for it
+    end_s: float
+    wait_s: float  # compute clock when its wait is reached (before any stall)
+    exposed_s: float  # stall at the wait
+    launched_before: str  # the first compute after the launch ("module op")
+    waited_before: str  # the first compute after the wait: what needs the result
+    compute_between_s: float  # roofline seconds of compute between launch and wait
+    matmuls_between: int  # compute nodes with FLOPs (matmuls, attention) between launch and wait
+
+    @property
+    def duration_s(self) -> float:
+        return self.end_s - self.start_s
+
+    @property
+    def status(self) -> str:
+        if self.compute_between_s == 0.0:
+            return "exposed"
+        return "overlapped" if self.exposed_s <= 0.01 * self.duration_s else "partly exposed"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PhaseSchedule:
+    phase: str
+    start_s: float
+    end_s: float
+    compute: tuple[ComputeSpan, ...]
+    comm: tuple[CommEvent, ...]
+    stalls: tuple[tuple[float, float], ...]  # compute waiting on communication
+
+    @property
+    def exposed_s(self) -> float:
+        return sum(end - start for start, end in self.stalls)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class StepSchedule:
+    device: cost.DeviceProfile
+    forward: PhaseSchedule
+    backward: PhaseSchedule
+    optimizer_s: float
+
+    @property
+    def step_s(self) -> float:
+        return self.backward.end_s + self.optimizer_s
+
+    @property
+    def exposed_s(self) -> float:
+        return self.forward.exposed_s + self.backward.exposed_s
+
+    @property
+    def exposed_pct(self) -> float:
+        return 100.0 * self.exposed_s / self.step_s if self.step_s else 0.0
+
+    @property
+    def comm(self) -> tuple[CommEvent, ...]:
+        return self.forward.comm + self.backward.comm
+
+
+def _label(node: fx.Node) -> str:
+    op = getattr(node.target, "__name__", str(node.target)).split(".")[0]
+    return f"{module_path(node) or '(root)'} {op}"
+
+
+def _is_fsdp_copy(node: fx.Node) -> bool:
+    """simplefsdp's bucket copy-in / copy-out ops: communication plumbing, not the model's compute."""
+    return getattr(node.target, "namespace", "") == "simplefsdp"
+
+
+def _group(node: fx.Node, blocks: list[str]) -> str:
+    if _is_fsdp_copy(node):
+        return "fsdp copies"
+    path = module_path(node)
+    block = next((b for b in blocks if path == b or path.startswith(b + ".")), None)
+    return block if block is not None else (path.split(".")[0] or "(root)")
+
+
+@dataclasses.dataclass
+class _Launch:
+    node: fx.Node
+    start_s: float
+    end_s: float
+    launch_s: float
+    launched_before: str = ""
+    compute_s: float = 0.0
+    matmuls: int = 0
+    wait: tuple[float, float, str] | None = None  # (wait clock, stall, waited before)
+
+
+def _has_flops(node: fx.Node) -> bool:
+    """A matmul, convolution or attention: an op `torch.utils.flop_counter` has a FLOP formula for."""
+    return getattr(node.target, "overloadpacket", None) in flop_registry
+
+
+def _close_span(spans: list[ComputeSpan], start: float, end: float, label: str) -> None:
+    if end > start:
+        spans.append(ComputeSpan(start_s=start, end_s=end, label=label))
+
+
+def simulate(
+    graph: fx.Graph, *, device: cost.DeviceProfile, phase: str, start_s: float = 0.0, blocks: list[str] = ()
+) -> PhaseSchedule:
+    """Replay `graph` on the two-stream model of [Note: the two-stream model], from `start_s`."""
+    clock, stream_free = start_s, {}
+    spans, stalls, pending, done = [], [], {}, []
+    span_start, span_label, waiting_for_compute = clock, None, []
+    for node in graph.nodes:
+        kind = collective_kind(node)
+        if kind is not None:
+            lane, size = group_of(node)
+            full = node.meta["val"] if kind == "all_gather" else node.args[0].meta["val"]
+            nbytes = full.numel() * full.dtype.itemsize
+            begin = max(clock, stream_free.get(lane, start_s))
+            end = begin + cost.collective_seconds(device, kind=kind, nbytes=nbytes, world=size)
+            stream_free[lane] = end
+            pending[node] = _Launch(node=node, start_s=begin, end_s=end, launch_s=clock)
+            waiting_for_compute.append(("launch", pending[node]))
+        elif is_wait(node) and node.args[0] in pending:
+            launch = pending[node.args[0]]
+            stall = max(0.0, launch.end_s - clock)
+            if stall:
+                _close_span(spans, span_start, clock, span_label)
+                stalls.append((clock, clock + stall))
+                span_start = clock + stall
+            launch.wait = (clock, stall, "")
+            waiting_for_compute.append(("wait", launch))
+            clock += stall
+            done.append(launch)
+        else:
+            seconds = compute_seconds(device, node)
+            if seconds <= 0:
+                continue
+            label = _group(node, list(blocks))
+            if label != span_label:
+                _close_span(spans, span_start, clock, span_label)
+                span_start, span_label = clock, label
+            if not _is_fsdp_copy(node):  # name the model's compute, not the bucket plumbing
+                for what, launch in waiting_for_compute:
+                    if what == "launch":
+                        launch.launched_before = _label(node)
+                    else:
+                        launch.wait = (*launch.wait[:2], _label(node))
+                waiting_for_compute = []
+            for launch in pending.values():
+                if launch.wait is None:
+                    launch.compute_s += seconds
+                    launch.matmuls += _has_flops(node)
+            clock += seconds
+    _close_span(spans, span_start, clock, span_label)
+    events = tuple(_event(phase, launch) for launch in pending.values() if launch.wait is not None)
+    return PhaseSchedule(
+        phase=phase, start_s=start_s, end_s=clock, compute=tuple(spans), comm=events, stalls=tuple(stalls)
+    )
+
+
+def _event(phase: str, launch: _Launch) -> CommEvent:
+    node = launch.node
+    kind = collective_kind(node)
+    full = node.meta["val"] if kind == "all_gather" else node.args[0].meta["val"]
+    wait_s, stall, waited_before = launch.wait
+    return CommEvent(
+        phase=phase,
+        name=node.name,
+        collective=kind,
+        lane=group_of(node)[0],
+        nbytes=full.numel() * full.dtype.itemsize,
+        launch_s=launch.launch_s,
+        start_s=launch.start_s,
+        end_s=launch.end_s,
+        wait_s=wait_s,
+        exposed_s=stall,
+        launched_before=launch.launched_before or "(end of graph)",
+        waited_before=waited_before or "(end of graph)",
+        compute_between_s=launch.compute_s,
+        matmuls_between=launch.matmuls,
+    )
+
+
+def simulate_step(
+    forward: fx.Graph,
+    backward: fx.Graph,
+    *,
+    device: cost.DeviceProfile,
+    model: torch.nn.Module,
+    optimizer: str = "adamw",
+) -> StepSchedule:
+    """Forward, then backward, then the optimizer update of this rank's shards of `model`."""
+    if optimizer not in OPTIMIZER_BYTES_PER_ELEMENT:
+        raise ValueError(f"unknown optimizer {optimizer!r}; known: {sorted(OPTIMIZER_BYTES_PER_ELEMENT)}")
+    blocks = find_repeated_blocks(model)
+    fwd = simulate(forward, device=device, phase="forward", blocks=blocks)
+    bwd = simulate(backward, device=device, phase="backward", start_s=fwd.end_s, blocks=blocks)
+    elements = sum(_local(p).numel() for p in model.parameters() if p.requires_grad)
+    optimizer_s = elements * OPTIMIZER_BYTES_PER_ELEMENT[optimizer] / device.memory_bytes_per_s
+    return StepSchedule(device=device, forward=fwd, backward=bwd, optimizer_s=optimizer_s)
+
+
+def _local(param: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a (DTensor) parameter."""
+    return param.to_local() if hasattr(param, "to_local") else param

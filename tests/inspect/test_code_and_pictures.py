@@ -1,0 +1,105 @@
+"""Inductor on the CPU (fake world of 8): the schedule view's claims against the order in the
+generated code; the pictures; the CLI."""
+
+from __future__ import annotations
+
+import matplotlib.image
+import numpy as np
+import pytest
+
+from simplefsdp import cli
+from simplefsdp.inspect.dryrun import dry_run
+from simplefsdp.inspect.shapes import SHAPES
+from simplefsdp.inspect.timeline import _COMM, _COMPUTE, EXPOSED, save_html, save_png
+from tests.passes.test_overlap import _code_events, _launches
+
+SHAPE = SHAPES["tiny"]
+
+
+def _on_cpu():
+    return SHAPE.build(device="cpu"), SHAPE.example_input(device="cpu")
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    """A 2-block model compiled by inductor, fp32 (bf16 matmuls run slowly on the CPU)."""
+    import simplefsdp
+
+    return dry_run(_on_cpu, world_size=8, device="cpu-gloo", mp_policy=simplefsdp.MixedPrecisionPolicy(), code=True)
+
+
+def test_claims_agree_with_generated_code(compiled):
+    """Per collective, in launch order: the schedule says whether matmuls run between its launch and
+    its wait (overlap) or none do; inductor's code must show the same."""
+    capture, schedule = compiled.report.capture, compiled.report.schedule
+    checked = 0
+    for phase, code in [(schedule.forward, capture.forward_code), (schedule.backward, capture.backward_code)]:
+        events = _code_events(code)
+        position = {event: i for i, event in enumerate(events)}
+        for kind, collective in [("all_gather", "all_gather_into_tensor"), ("reduce_scatter", "reduce_scatter_tensor")]:
+            claimed = [e for e in phase.comm if e.collective == kind]
+            buffers = _launches(code, collective)
+            assert len(buffers) == len(claimed), f"{phase.phase}: {kind} count differs between FX and code"
+            for event, buf in zip(claimed, buffers, strict=True):
+                between = events[position[("L", buf)] : position[("W", buf)]]
+                code_overlaps = any(kind == "mm" for kind, _ in between)
+                assert code_overlaps == (event.matmuls_between > 0), f"{phase.phase} {event.name}: {event.status}"
+                checked += 1
+    assert checked == len(schedule.comm) > 0
+    statuses = {e.status for e in schedule.comm}
+    assert "exposed" in statuses, statuses
+    assert statuses & {"overlapped", "partly exposed"}, statuses
+
+
+def _has_color(pixels: np.ndarray, hex_color: str) -> bool:
+    rgb = np.array([int(hex_color[i : i + 2], 16) for i in (1, 3, 5)]) / 255
+    return bool((np.abs(pixels[..., :3] - rgb).max(axis=-1) < 0.02).any())
+
+
+def test_pictures_show_both_lanes(compiled, tmp_path):
+    schedule = compiled.report.schedule
+    png = save_png(schedule, tmp_path / "t.png")
+    pixels = matplotlib.image.imread(png)
+    assert pixels.shape[0] > 100
+    assert pixels.shape[1] > 500
+    for color, what in [(_COMPUTE[0], "compute"), (_COMM["all_gather"], "all-gather"),
+                        (_COMM["reduce_scatter"], "reduce-scatter"), (EXPOSED, "exposed")]:  # fmt: skip
+        assert _has_color(pixels, color), f"no {what} bar in the PNG"
+    page = save_html(schedule, tmp_path / "t.html").read_text()
+    assert ">compute</text>" in page
+    assert ">comm</text>" in page
+    for color in (_COMPUTE[0], _COMM["all_gather"], _COMM["reduce_scatter"], EXPOSED):
+        assert f'fill="{color}"' in page
+    assert "<script" not in page, "self-contained"
+    assert "http" not in page.replace("http://www.w3.org/2000/svg", ""), "self-contained"
+
+
+def test_report_saves_graphs_and_code(compiled, tmp_path):
+    written = compiled.report.save(tmp_path)
+    assert "all_gather_into_tensor" in written["forward_graph"].read_text()
+    assert "def call(" in written["backward_code"].read_text()
+    assert all(path.stat().st_size > 0 for path in written.values())
+
+
+def test_cli_smoke(tmp_path, capsys):
+    assert cli.main(["inspect", "tiny", "--world", "8", "--device", "a100", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    for title in ("dry run", "buckets", "schedule on a100", "memory per rank"):
+        assert title in out
+    assert (tmp_path / "timeline.png").stat().st_size > 0
+    assert (tmp_path / "timeline.html").stat().st_size > 0
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["inspect", "tiny", "--device", "tpu"], "unknown device profile 'tpu'"),
+        (["inspect", "tiny", "--world", "6", "--strategy", "HYBRID_SHARD", "--shard-size", "4"], "must divide"),
+        (["inspect", "nosuch.module:build"], "cannot load model factory"),
+        (["frobnicate"], "unknown command 'frobnicate'"),
+    ],
+)
+def test_cli_bad_input(argv, message, capsys):
+    assert cli.main(argv) == 2
+    captured = capsys.readouterr()
+    assert message in captured.out + captured.err
