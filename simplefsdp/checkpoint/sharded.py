@@ -62,7 +62,7 @@ logger = logging.getLogger(__name__)
 _NAME = re.compile(r"step_(\d{9,})(\.tmp)?")
 _TMP = ".tmp"
 MODEL_PREFIX = "model."
-DEFAULT_TIMEOUT = timedelta(minutes=30)
+DEFAULT_TIMEOUT = sync.DEFAULT_TIMEOUT
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -24,7 +24,17 @@ import torch.distributed as dist
 
 from simplefsdp.checkpoint.errors import RankTimeoutError
 
-__all__ = ["all_gather_objects", "broadcast_object", "is_distributed", "rank", "wait_for_all_ranks", "world_size"]
+__all__ = [
+    "DEFAULT_TIMEOUT",
+    "all_gather_objects",
+    "broadcast_object",
+    "is_distributed",
+    "rank",
+    "wait_for_all_ranks",
+    "world_size",
+]
+
+DEFAULT_TIMEOUT = timedelta(minutes=30)  # how long a checkpoint function waits for the slowest rank
 
 
 def is_distributed() -> bool:
