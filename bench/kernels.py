@@ -1,6 +1,7 @@
 """Benchmark the bucket copy ops: GB/s against FSDP2's eager ops, inductor's cat + cast, and plain copy.
 
     python bench/kernels.py            # needs a CUDA GPU; says so and exits 0 without one
+    python bench/kernels.py --cpu      # the CPU implementations (torch ops), a dim-1024 block by default
 
 Shapes: the parameters of one Llama-3-8B block (dim 4096, 32 heads, 8 KV heads, ffn 14336), fp32
 masters, sharded over `--world` ranks (default 8). For each op, bytes moved = bytes read + bytes
@@ -19,11 +20,15 @@ written, divided by the median of `--iters` timed calls (CUDA events, after warm
   plain copy: `dst.copy_(src)` of the same number of bytes, the bandwidth ceiling
 
 Targets (H200): each of ours >= 90% of plain-copy GB/s; copy-in >= 1.5x FSDP2's eager path.
+On the CPU (`--cpu`) the target is that each op is no slower than the unfused sequence it
+replaces; a custom op's Python dispatch costs some 20-30 us per call, so tiny shapes (`--dim 256`)
+measure that overhead rather than the copies.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import sys
 import time
@@ -51,26 +56,28 @@ def _block_shapes(dim: int = 4096, heads: int = 32, kv_heads: int = 8, ffn: int 
     ]
 
 
-def _time(fn, iters: int) -> float:
-    """Median seconds of `fn()`: CUDA events on a GPU, wall clock otherwise (`--cpu-smoke`)."""
-    cuda = torch.cuda.is_available()
+def _timed(*fns, iters: int, cuda: bool) -> list[float]:
+    """Median seconds of each `fn()`: the functions are called in turn, round after round, so drift
+    on a shared machine hits them alike. CUDA events on a GPU, wall clock on the CPU (`--cpu`)."""
     for _ in range(3):
-        fn()
-    times = []
+        for fn in fns:
+            fn()
+    times: list[list[float]] = [[] for _ in fns]
     for _ in range(iters):
-        if cuda:
-            torch.cuda.synchronize()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
-        else:
-            begin = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - begin)
-    return statistics.median(times)
+        for fn, seconds in zip(fns, times, strict=True):
+            if cuda:
+                torch.cuda.synchronize()
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                fn()
+                end.record()
+                torch.cuda.synchronize()
+                seconds.append(start.elapsed_time(end) / 1e3)
+            else:
+                begin = time.perf_counter()
+                fn()
+                seconds.append(time.perf_counter() - begin)
+    return [statistics.median(seconds) for seconds in times]
 
 
 def _row(name: str, nbytes: int, seconds: float, copy_gbs: float) -> str:
@@ -82,13 +89,19 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--world", type=int, default=8)
     parser.add_argument("--iters", type=int, default=50)
-    parser.add_argument("--cpu-smoke", action="store_true", help="run on the CPU, small shapes: checks the script only")
+    parser.add_argument("--cpu", action="store_true", help="measure the CPU implementations instead (torch ops)")
+    parser.add_argument("--dim", type=int, help="model dim of the block (default: 4096 on a GPU, 1024 with --cpu)")
     args = parser.parse_args()
-    if not torch.cuda.is_available() and not args.cpu_smoke:
+    if not torch.cuda.is_available() and not args.cpu:
         print("bench/kernels.py needs a CUDA GPU (it measures GPU memory bandwidth); none here, nothing run.")
+        print("(`--cpu` measures the CPU implementations of the same ops instead.)")
         return 0
-    world, dev, bf16 = args.world, ("cpu" if args.cpu_smoke else "cuda"), torch.bfloat16
-    shapes = _block_shapes(dim=256, heads=8, kv_heads=2, ffn=896) if args.cpu_smoke else _block_shapes()
+    if args.cpu:
+        torch.set_num_threads(1)  # one core: timings of a shared 2-core machine are otherwise thread-contention noise
+    world, dev, bf16 = args.world, ("cpu" if args.cpu else "cuda"), torch.bfloat16
+    dim = args.dim or (1024 if args.cpu else 4096)
+    shapes = _block_shapes(dim=dim, heads=max(1, dim // 128), kv_heads=max(1, dim // 512), ffn=dim * 7 // 2)
+    _time = functools.partial(_timed, iters=args.iters, cuda=dev == "cuda")
     fulls = [torch.randn(s, device=dev) for s in shapes]
     chunks = [reference.chunk_numel(s, world) for s in shapes]
     shards = [f[: -(-f.shape[0] // world)].contiguous() for f in fulls]  # rank 0's shards
@@ -97,13 +110,11 @@ def main() -> int:
 
     src = torch.empty(n_shard * 6, dtype=torch.uint8, device=dev)  # 4 + 2 bytes per element moved
     dst = torch.empty_like(src)
-    copy_s = _time(lambda: dst.copy_(src), args.iters)
+    (copy_s,) = _time(lambda: dst.copy_(src))
     copy_gbs = 2 * src.numel() / copy_s / 1e9
     rows = [f"| plain copy ({src.numel() / 1e6:.0f} MB) | {copy_s * 1e6:.0f} us | {copy_gbs:.0f} GB/s | 100% |"]
 
     ag_in_bytes = n_shard * (4 + 2)
-    ours = _time(lambda: torch.ops.simplefsdp.all_gather_copy_in(shards, chunks, bf16, world, 0), args.iters)
-    rows.append(_row("all-gather copy-in, ours", ag_in_bytes, ours, copy_gbs))
     ag_output = torch.empty(n_full, dtype=bf16, device=dev)
     # FSDP2 keeps its shards padded; it casts each, then copies them into this rank's slot
     padded = [F.pad(s.reshape(-1), (0, c - s.numel())) for s, c in zip(shards, chunks, strict=True)]
@@ -112,38 +123,44 @@ def main() -> int:
         cast = [p.to(bf16) for p in padded]
         torch.ops.fsdp.all_gather_copy_in(cast, ag_output, chunks, n_shard, 0)  # torch 2.13 signature
 
-    fsdp2 = _time(fsdp2_copy_in, args.iters)
+    compiled = torch.compile(lambda xs: torch.cat([x.to(bf16).reshape(-1) for x in xs]))
+    ours, fsdp2, inductor = _time(
+        lambda: torch.ops.simplefsdp.all_gather_copy_in(shards, chunks, bf16, world, 0),
+        fsdp2_copy_in,
+        lambda: compiled(shards),
+    )
+    rows.append(_row("all-gather copy-in, ours", ag_in_bytes, ours, copy_gbs))
     rows.append(_row("all-gather copy-in, FSDP2 eager (cast, then copy-in)", ag_in_bytes, fsdp2, copy_gbs))
     rows.append(f"| copy-in speed-up over FSDP2 eager | {fsdp2 / ours:.2f}x | | |")
-    compiled = torch.compile(lambda xs: torch.cat([x.to(bf16).reshape(-1) for x in xs]))
-    rows.append(
-        _row(
-            "all-gather copy-in, inductor cat + cast",
-            ag_in_bytes,
-            _time(lambda: compiled(shards), args.iters),
-            copy_gbs,
-        )
-    )
+    rows.append(_row("all-gather copy-in, inductor cat + cast", ag_in_bytes, inductor, copy_gbs))
 
     gathered = torch.randn(n_full, device=dev).to(bf16)
     ag_out_bytes = 2 * 2 * n_full
-    ours = _time(
+
+    def fsdp2_copy_out():  # FSDP2 allocates the unsharded parameters' storage at every all-gather
+        outs = [torch.empty(world, c, dtype=bf16, device=dev) for c in chunks]
+        torch.split_with_sizes_copy(gathered.view(world, -1), chunks, dim=1, out=outs)
+
+    ours, split = _time(
         lambda: torch.ops.simplefsdp.all_gather_copy_out(gathered, chunks, [world * c for c in chunks], world),
-        args.iters,
+        fsdp2_copy_out,
     )
     rows.append(_row("all-gather copy-out, ours", ag_out_bytes, ours, copy_gbs))
-    outs = [torch.empty(world, c, dtype=bf16, device=dev) for c in chunks]
-    split = _time(lambda: torch.split_with_sizes_copy(gathered.view(world, -1), chunks, dim=1, out=outs), args.iters)
     rows.append(_row("all-gather copy-out, FSDP2 eager (split_with_sizes_copy)", ag_out_bytes, split, copy_gbs))
+    rows.append(f"| copy-out speed-up over FSDP2 eager | {split / ours:.2f}x | | |")
 
     rs_bytes = sum(numels) * 4 + n_full * 2
-    ours = _time(lambda: torch.ops.simplefsdp.reduce_scatter_copy_in(fulls, world, bf16, 1.0), args.iters)
+    ours, chunk_cat = _time(
+        lambda: torch.ops.simplefsdp.reduce_scatter_copy_in(fulls, world, bf16, 1.0),
+        lambda: torch._chunk_cat([f.to(bf16) for f in fulls], dim=0, num_chunks=world),
+    )
     rows.append(_row("reduce-scatter copy-in, ours", rs_bytes, ours, copy_gbs))
-    chunk_cat = _time(lambda: torch._chunk_cat([f.to(bf16) for f in fulls], dim=0, num_chunks=world), args.iters)
     rows.append(_row("reduce-scatter copy-in, FSDP2 eager (cast, then _chunk_cat)", rs_bytes, chunk_cat, copy_gbs))
+    rows.append(f"| reduce-scatter copy-in speed-up over FSDP2 eager | {chunk_cat / ours:.2f}x | | |")
 
-    where = "CPU smoke run (numbers meaningless)" if args.cpu_smoke else torch.cuda.get_device_name()
-    print(f"{where}, Llama-3-8B block, world {world}, fp32 -> bf16")
+    where = "CPU, 1 thread" if args.cpu else torch.cuda.get_device_name()
+    block = "Llama-3-8B block" if dim == 4096 else f"Llama-style block, dim {dim}"
+    print(f"{where}, {block} ({sum(numels) / 1e6:.1f}M parameters), world {world}, fp32 -> bf16")
     print("| op | time (median) | bandwidth | of plain copy |\n|---|---|---|---|")
     print("\n".join(rows))
     return 0

@@ -57,26 +57,39 @@ def _check_chunks(chunks: Sequence[int], n: int | None) -> None:
         raise ValueError(f"chunk sizes must be >= 0; chunks{bad} are negative")
 
 
-# [Note: CPU implementations] The CPU paths write each output element once: `copy_` casts while
-# copying into the output slot (as FSDP2's copy-in does, without its separate cast), all-gather
-# copy-out is one strided copy per column block (measured faster on CPU than
-# `split_with_sizes_copy`), reduce-scatter copy-in is
-# `_chunk_cat` writing (and casting) into the output. `reference.py` stays the specification the
-# tests compare them with.
+# [Note: CPU implementations] The CPU paths are the unfused torch sequences FSDP2 runs, minus its
+# extra temporaries where that is measured faster on this CPU (`python bench/kernels.py --cpu`):
+# all-gather copy-in is one `_foreach_copy_` that casts each shard straight into its place in the
+# slot (no cast temporaries, no separate padded copies); copy-out is `split_with_sizes_copy`;
+# reduce-scatter copy-in casts first when it must (`_chunk_cat` converting dtypes on the fly is
+# slower than a cast followed by a same-dtype `_chunk_cat`) and then chunk-cats into the output.
+# `reference.py` stays the specification the tests compare them with.
 def _cpu_all_gather_copy_in(shards: list[torch.Tensor], chunks: list[int], slot: torch.Tensor) -> None:
-    offset = 0
-    for shard, chunk in zip(shards, chunks, strict=True):
-        n = shard.numel()
-        slot.narrow(0, offset, n).copy_(shard.reshape(-1))
-        slot.narrow(0, offset + n, chunk - n).zero_()
-        offset += chunk
+    places = slot.split(chunks)
+    if not shards:
+        return
+    torch._foreach_copy_([p[: s.numel()] for p, s in zip(places, shards, strict=True)], [s.view(-1) for s in shards])
+    for place, shard in zip(places, shards, strict=True):
+        if shard.numel() < place.numel():  # a short last shard, or dim 0 not a multiple of world
+            place[shard.numel() :].zero_()
 
 
-def _cpu_reduce_scatter_copy_in(grads: list[torch.Tensor], world: int, dtype: torch.dtype) -> torch.Tensor:
+def _cpu_all_gather_copy_out(
+    gathered: torch.Tensor, chunks: list[int], numels: list[int], world: int
+) -> list[torch.Tensor]:
+    outs = [gathered.new_empty(world, c) for c in chunks]
+    torch.split_with_sizes_copy(gathered.view(world, -1), chunks, dim=1, out=outs)
+    return [out.view(-1)[:n] for out, n in zip(outs, numels, strict=True)]
+
+
+def _cpu_reduce_scatter_copy_in(
+    grads: list[torch.Tensor], world: int, dtype: torch.dtype, scale: float
+) -> torch.Tensor:
     chunks = [reference.chunk_numel(g.shape, world) for g in grads]
     device = grads[0].device if grads else torch.device("cpu")
     out = torch.empty(world, sum(chunks), dtype=dtype, device=device)
-    nonempty = [g.reshape(-1) if g.dim() == 0 else g for g in grads if g.numel()]  # _chunk_cat rejects empties
+    cast = [g if g.dtype == dtype and scale == 1.0 else reference.cast(g, dtype, scale) for g in grads]
+    nonempty = [g.reshape(-1) if g.dim() == 0 else g for g in cast if g.numel()]  # _chunk_cat rejects empties
     if nonempty:
         torch._chunk_cat(nonempty, dim=0, num_chunks=world, out=out)
     return out.view(-1)
@@ -132,12 +145,7 @@ def all_gather_copy_out(gathered: torch.Tensor, chunks: list[int], numels: list[
         if not 0 <= n <= world * c:
             raise ValueError(f"numels[{i}] = {n} does not fit {world} chunks of {c}")
     if not _use_triton(gathered):
-        outs = []
-        for piece, n in zip(gathered.view(world, -1).split(list(chunks), dim=1), numels, strict=True):
-            out = gathered.new_empty(piece.shape)
-            out.copy_(piece)  # the [world, chunk] column block, copied once
-            outs.append(out.view(-1)[:n])
-        return outs
+        return _cpu_all_gather_copy_out(gathered, list(chunks), list(numels), world)
     from simplefsdp.kernels import triton_copy
 
     outs = [torch.empty(n, dtype=gathered.dtype, device=gathered.device) for n in numels]
@@ -161,9 +169,7 @@ def reduce_scatter_copy_in(grads: list[torch.Tensor], world: int, dtype: torch.d
     if world < 1:
         raise ValueError(f"world must be >= 1, got {world}")
     if not grads or not _use_triton(grads[0]):
-        if scale != 1.0 or len({g.dtype for g in grads}) > 1:  # _chunk_cat takes one input dtype
-            return reference.reduce_scatter_copy_in(grads, world, dtype, scale)
-        return _cpu_reduce_scatter_copy_in(grads, world, dtype)
+        return _cpu_reduce_scatter_copy_in(grads, world, dtype, scale)
     from simplefsdp.kernels import triton_copy
 
     chunks = [reference.chunk_numel(g.shape, world) for g in grads]

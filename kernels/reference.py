@@ -31,6 +31,7 @@ import torch.nn.functional as F
 __all__ = [
     "all_gather_copy_in",
     "all_gather_copy_out",
+    "cast",
     "chunk_numel",
     "reduce_scatter_copy_in",
     "reduce_scatter_copy_out",
@@ -45,7 +46,7 @@ def chunk_numel(shape: Sequence[int], world: int) -> int:
     return math.ceil(shape[0] / world) * math.prod(shape[1:])
 
 
-def _cast(x: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.Tensor:
+def cast(x: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.Tensor:
     """A new tensor: `x` in `dtype`; a `scale` other than 1 multiplies in fp32 first (one rounding)."""
     return x.to(dtype, copy=True) if scale == 1.0 else (x.float() * scale).to(dtype)
 
@@ -73,7 +74,7 @@ def reduce_scatter_copy_in(
     rows = []
     for g in grads:
         chunk = chunk_numel(g.shape, world)
-        padded = F.pad(_cast(g.reshape(-1), dtype, scale), (0, world * chunk - g.numel()))
+        padded = F.pad(cast(g.reshape(-1), dtype, scale), (0, world * chunk - g.numel()))
         rows.append(padded.view(world, chunk))
     return torch.cat(rows, dim=1).reshape(-1) if rows else torch.empty(0, dtype=dtype)
 
@@ -81,7 +82,7 @@ def reduce_scatter_copy_in(
 def reduce_scatter_copy_out(
     reduced: torch.Tensor, chunks: Sequence[int], dtype: torch.dtype, scale: float = 1.0
 ) -> list[torch.Tensor]:
-    return [_cast(piece, dtype, scale) for piece in reduced.split(list(chunks))]
+    return [cast(piece, dtype, scale) for piece in reduced.split(list(chunks))]
 
 
 def reduce_scatter_copy_out_accumulate(
@@ -89,4 +90,4 @@ def reduce_scatter_copy_out_accumulate(
 ) -> list[torch.Tensor]:
     """`accumulate_into[i] + reduce_scatter_copy_out(...)[i]`, each in `accumulate_into[i]`'s dtype."""
     pieces = reduced.split(list(chunks))
-    return [acc + _cast(p, acc.dtype, scale).view(acc.shape) for p, acc in zip(pieces, accumulate_into, strict=True)]
+    return [acc + cast(p, acc.dtype, scale).view(acc.shape) for p, acc in zip(pieces, accumulate_into, strict=True)]
