@@ -13,6 +13,7 @@ import dataclasses
 import os
 import random
 import signal
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -64,17 +65,30 @@ def full_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimize
     }
 
 
-def step(step_fn, optimizer, offset: int, *, die: bool = False) -> tuple[float, int]:
-    """One step on the global batch at `offset` (this rank's share); returns (loss, next offset).
+@dataclasses.dataclass(frozen=True)
+class Fault:
+    """Rank `rank` sends itself `signum` at step `step`: "mid_step" between the forward and the
+    backward (the other ranks then wait in the backward's gradient reduction), or "before_save"
+    after the step (they wait in `save_checkpoint`). SIGKILL dies; SIGSTOP hangs with its sockets open."""
 
-    `die`: SIGKILL this process between the forward and the backward, mid-step (the other ranks
-    then wait in the backward's gradient reduction)."""
+    rank: int
+    step: int
+    signum: int = signal.SIGKILL
+    where: str = "mid_step"
+
+
+def _maybe_fault(fault: Fault | None, k: int, where: str) -> None:
+    if fault is not None and (fault.rank, fault.step, fault.where) == (dist.get_rank(), k, where):
+        os.kill(os.getpid(), fault.signum)
+
+
+def step(step_fn, optimizer, offset: int, *, fault: Fault | None = None, k: int = 0) -> tuple[float, int]:
+    """Step `k` on the global batch at `offset` (this rank's share); returns (loss, next offset)."""
     rows = [(offset + i) % len(DATASET) for i in range(BATCH)]
     local = DATASET[rows].chunk(dist.get_world_size())[dist.get_rank()]
     masked = local.masked_fill(torch.rand(local.shape) < 0.1, 0)
     loss = T.loss_fn(step_fn, masked)
-    if die:
-        os.kill(os.getpid(), signal.SIGKILL)
+    _maybe_fault(fault, k, "mid_step")
     loss.backward()
     optimizer.step()
     optimizer.zero_grad()
@@ -90,26 +104,28 @@ def train(
     shape: tuple[int, ...] | None = None,
     backend: str = "eager",
     restore_rng: bool = True,
-    kill_rank_at: tuple[int, int] | None = None,
+    fault: Fault | None = None,
+    timeout: timedelta = checkpoint.sharded.DEFAULT_TIMEOUT,
 ) -> Run:
     """Train to `steps` (or stop before step `stop_at`), resuming from and saving to `root` (None: no
-    checkpoints). `kill_rank_at=(rank, k)`: that rank SIGKILLs itself in the middle of step k."""
+    checkpoints). `fault`: a rank kills or stops itself (see `Fault`); `timeout`: the checkpoint
+    functions' wait for the slowest rank."""
     model, optimizer = build(strategy, shape)
     step_fn = model if backend == "eager" else torch.compile(model, backend=backend)
     resumed = None
     if root is not None:
         resumed = checkpoint.load_checkpoint(
-            root, model=model, optimizer=optimizer, missing_ok=True, restore_rng=restore_rng
+            root, model=model, optimizer=optimizer, missing_ok=True, restore_rng=restore_rng, timeout=timeout
         )
     start, offset = (resumed.step, resumed.extra["data_offset"]) if resumed else (0, 0)
     losses = []
     for k in range(start, steps if stop_at is None else stop_at):
-        loss, offset = step(step_fn, optimizer, offset, die=kill_rank_at == (dist.get_rank(), k))
+        loss, offset = step(step_fn, optimizer, offset, fault=fault, k=k)
         losses.append(loss)
+        _maybe_fault(fault, k, "before_save")
         if root is not None:
-            checkpoint.save_checkpoint(
-                root, step=k + 1, model=model, optimizer=optimizer, extra={"data_offset": offset}
-            )
+            extra = {"data_offset": offset}
+            checkpoint.save_checkpoint(root, step=k + 1, model=model, optimizer=optimizer, extra=extra, timeout=timeout)
     return Run(
         params={fqn: full(p) for fqn, p in model.named_parameters()},
         optim=full_optimizer_state(model, optimizer),

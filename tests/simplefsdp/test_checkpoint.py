@@ -1,8 +1,9 @@
 """Sharded checkpoints (simplefsdp.checkpoint): bitwise resume, resharding, atomic writes, bad input.
 
-Multi-rank tests run the resumable job of `_ckpt.py` on gloo rank pools (2 ranks, 4 as a 2x2
-mesh for HYBRID_*). The file-format tests (interrupted saves, corruption, mismatches, pickles)
-need no process group: the checkpoint functions run in one plain process too, on a plain model.
+Multi-rank tests run the resumable job of `_ckpt.py` on gloo rank pools (2 ranks; 4 to save
+before resharding, and as a 2x2 mesh for HYBRID_SHARD). The file-format tests (interrupted
+saves, corruption, mismatches, pickles) need no process group: the checkpoint functions run in
+one plain process too, on a plain model.
 """
 
 from __future__ import annotations
@@ -24,7 +25,11 @@ from tests.simplefsdp import _ckpt as C
 
 STEPS, STOP = 5, 3  # resume: STOP steps, save, fresh processes, load, STEPS - STOP steps
 ONE_D = ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"]
-TWO_D = ["HYBRID_SHARD", "HYBRID_SHARD_ZERO2"]
+# every strategy on 2 ranks: HYBRID_* on a (replicate 2, shard 1) and a (replicate 1, shard 2) mesh
+RESUMED = {s: {"strategy": s} for s in ONE_D} | {
+    "HYBRID_SHARD": {"strategy": "HYBRID_SHARD", "shape": (2, 1)},
+    "HYBRID_SHARD_ZERO2": {"strategy": "HYBRID_SHARD_ZERO2", "shape": (1, 2)},
+}
 
 
 def _assert_same_state(actual: C.Run, expected: C.Run) -> None:
@@ -35,34 +40,27 @@ def _assert_same_state(actual: C.Run, expected: C.Run) -> None:
         assert torch.equal(got, value), f"{name} differs"
 
 
-def test_resume_is_bitwise_for_every_strategy(ranks2, ranks4, tmp_path):
+def test_resume_is_bitwise_for_every_strategy(ranks2, tmp_path):
     """STEPS uninterrupted == STOP steps, save, new processes, load, the rest: bitwise in fp32.
 
     Negative control: resuming without restoring the RNG states (the token masks then differ)
     must not match, so the comparison can fail."""
-    pools = {"2": (ranks2, ONE_D), "4": (ranks4, TWO_D)}
-    roots = {s: str(tmp_path / s) for s in ONE_D + TWO_D}
-    for pool, strategies in pools.values():
-        pool.run(C.train_many, [(roots[s], {"strategy": s, "steps": STEPS, "stop_at": STOP}) for s in strategies])
+    roots = {name: str(tmp_path / name) for name in RESUMED}
+    ranks2.run(C.train_many, [(roots[n], {**kw, "steps": STEPS, "stop_at": STOP}) for n, kw in RESUMED.items()])
     shutil.copytree(roots["FULL_SHARD"], tmp_path / "no-rng")
-    for pool, _ in pools.values():
-        pool.close()  # fresh processes: nothing survives but the files
+    ranks2.close()  # fresh processes: nothing survives but the files
 
-    for pool, strategies in pools.values():
-        jobs = [(roots[s], {"strategy": s, "steps": STEPS}) for s in strategies]
-        jobs += [(None, {"strategy": s, "steps": STEPS}) for s in strategies]  # uninterrupted
-        if "FULL_SHARD" in strategies:
-            jobs.append((str(tmp_path / "no-rng"), {"strategy": "FULL_SHARD", "steps": STEPS, "restore_rng": False}))
-        runs = pool.run(C.train_many, jobs)[0]
-        resumed, uninterrupted = runs[: len(strategies)], runs[len(strategies) : 2 * len(strategies)]
-        for strategy, got, expected in zip(strategies, resumed, uninterrupted, strict=True):
-            assert got.start_step == STOP, strategy
-            assert got.losses == expected.losses[STOP:], strategy
-            assert got.data_offset == expected.data_offset, strategy
-            _assert_same_state(got, expected)
-        if "FULL_SHARD" in strategies:
-            no_rng = runs[-1]
-            assert no_rng.params["tok_embeddings.weight"].ne(uninterrupted[0].params["tok_embeddings.weight"]).any()
+    jobs = [(roots[name], {**kwargs, "steps": STEPS}) for name, kwargs in RESUMED.items()]
+    jobs += [(None, {**kwargs, "steps": STEPS}) for kwargs in RESUMED.values()]  # uninterrupted
+    jobs.append((str(tmp_path / "no-rng"), {"strategy": "FULL_SHARD", "steps": STEPS, "restore_rng": False}))
+    runs = ranks2.run(C.train_many, jobs)[0]
+    resumed, uninterrupted, no_rng = runs[: len(RESUMED)], runs[len(RESUMED) : 2 * len(RESUMED)], runs[-1]
+    for name, got, expected in zip(RESUMED, resumed, uninterrupted, strict=True):
+        assert got.start_step == STOP, name
+        assert got.losses == expected.losses[STOP:], name
+        assert got.data_offset == expected.data_offset, name
+        _assert_same_state(got, expected)
+    assert no_rng.params["tok_embeddings.weight"].ne(uninterrupted[0].params["tok_embeddings.weight"]).any()
 
 
 def test_load_reshards(ranks2, ranks4, tmp_path):
