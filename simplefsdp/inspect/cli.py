@@ -3,6 +3,7 @@
     simplefsdp inspect llama3-70b --world 1024 --device h100 --out inspect-70b/
     simplefsdp inspect small-8 --world 8 --code --out inspect-small/   # also inductor's code (CPU)
     simplefsdp inspect mypkg.models:build --world 64                   # a factory -> (model, input)
+    simplefsdp inspect llama3-405b --world 1024 --max-in-flight-gib 16  # let 6.4 GB blocks prefetch
 
 The output is this command's product, so it prints (rich tables); the library logs.
 """
@@ -45,6 +46,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--plan", choices=["blocks", "auto", "none"], default="blocks", help="bucket plan; none: no passes"
     )
+    parser.add_argument(
+        "--max-in-flight-gib", type=float, default=None, help="reorder budget for prefetched / in-flight buffers"
+    )
     parser.add_argument("--batch", type=int, default=None, help="per-rank batch (shapes only)")
     parser.add_argument("--seq", type=int, default=None, help="sequence length (shapes only)")
     parser.add_argument("--optimizer", choices=["adamw", "sgd", "none"], default="adamw")
@@ -82,7 +86,11 @@ def run(args: argparse.Namespace) -> DryRunResult:
     if args.plan == "none":
         passes = None
     else:
-        passes = simplefsdp.PassConfig(bucket=simplefsdp.BucketConfig(plan=args.plan, device=args.device))
+        reorder = simplefsdp.ReorderConfig()
+        if args.max_in_flight_gib is not None:
+            reorder = simplefsdp.ReorderConfig(max_in_flight_bytes=int(args.max_in_flight_gib * 2**30))
+        bucket = simplefsdp.BucketConfig(plan=args.plan, device=args.device)
+        passes = simplefsdp.PassConfig(bucket=bucket, reorder=reorder)
     return dry_run(
         _model(args),
         world_size=args.world,
