@@ -1,6 +1,7 @@
 """The `simplefsdp` command: a small dispatcher over subcommands, each owned by its own module.
 
     simplefsdp inspect MODEL [options]     # simplefsdp/inspect/cli.py
+    simplefsdp train [options]             # simplefsdp/train/cli.py
 
 A subcommand module provides `main(argv) -> int`; add one with an entry in `_SUBCOMMANDS`.
 """
@@ -15,6 +16,7 @@ __all__ = ["main"]
 
 _SUBCOMMANDS = {
     "inspect": ("simplefsdp.inspect.cli", "dry-run a model: buckets, schedule, memory, timeline pictures"),
+    "train": ("simplefsdp.train.cli", "train a Llama-style model (2 CPU ranks by default, or torchrun's)"),
 }
 
 

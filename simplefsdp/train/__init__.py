@@ -1,0 +1,15 @@
+"""`simplefsdp train`: the main job -- a Llama-style model trained with simplefsdp + torch.compile.
+
+    from simplefsdp.train import TrainConfig, launch
+    outcome = launch(TrainConfig(steps=20, n_layers=2))   # spawns 2 gloo ranks (or uses torchrun's)
+
+Files: `config.py` (settings, TOML, flags), `data.py` (embedded corpus, resumable batches),
+`loop.py` (model, steps, checkpoints), `comm.py` (the communication summary), `launch.py`
+(torchrun or spawn), `cli.py` (the command).
+"""
+
+from simplefsdp.train.config import ConfigError, TrainConfig, parse_args
+from simplefsdp.train.launch import launch
+from simplefsdp.train.loop import TrainOutcome, train
+
+__all__ = ["ConfigError", "TrainConfig", "TrainOutcome", "launch", "parse_args", "train"]

@@ -1,0 +1,49 @@
+"""`simplefsdp train`: parse the flags and config file, launch the ranks, print the summary.
+
+    simplefsdp train                                   # 2 CPU ranks (gloo), or one per GPU (nccl)
+    simplefsdp train --config run.toml --steps 500     # flags override the file
+    simplefsdp train --resume                          # continue from the newest checkpoint
+    torchrun --nnodes 2 --nproc-per-node 8 ... -m simplefsdp.train   # the ranks torchrun starts
+
+Exit codes: 0 done; 2 a bad flag, config file or setting (one line on stderr, no traceback);
+1 a rank failed while training (its traceback on stderr).
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from collections.abc import Sequence
+
+from simplefsdp.train.config import ConfigError, parse_args
+from simplefsdp.train.launch import RankFailedError, launch
+
+__all__ = ["main"]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if "-h" in args or "--help" in args:
+        from simplefsdp.train.config import build_parser
+
+        build_parser().print_help()
+        return 0
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        config = parse_args(args)
+        outcome = launch(config)
+    except ConfigError as err:
+        print(f"simplefsdp train: error: {err}", file=sys.stderr)
+        return 2
+    except RankFailedError as err:
+        print(f"simplefsdp train: {err}", file=sys.stderr)
+        return 1
+    if outcome is not None:
+        rate = f"{outcome.tokens_per_s:,.0f} tokens/s (median)" if outcome.tokens_per_s else "no timed steps"
+        first, last = (f"{outcome.losses[0]:.4f}", f"{outcome.losses[-1]:.4f}") if outcome.losses else ("-", "-")
+        print(
+            f"trained steps {outcome.start_step + 1}-{outcome.end_step}: loss {first} -> {last}, {rate}; "
+            f"checkpoints in {config.checkpoint_dir}",
+            file=sys.stderr,
+        )
+    return 0

@@ -1,0 +1,197 @@
+"""`TrainConfig`: every setting of `simplefsdp train`, from defaults, an optional TOML file and flags.
+
+    config = parse_args(["--config", "run.toml", "--steps", "50"])   # flags override the file
+
+The TOML file is flat: one key per field, named as the field (`n_layers = 8`, `strategy =
+"HYBRID_SHARD"`); `simplefsdp train --help` lists them. Every problem -- an unknown flag or key,
+a value of the wrong type, a file that cannot be read or parsed, a combination that cannot run --
+raises `ConfigError` whose message names the flag, key or file; the CLI prints it and exits 2.
+
+Invariant: a `TrainConfig` that constructs is runnable as far as can be known before the world
+size is (`check_world` finishes the job once it is).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from simplefsdp.passes import cost
+
+try:
+    import tomllib
+except ImportError:  # Python 3.10
+    import tomli as tomllib
+from simplefsdp.strategy import ShardingStrategy
+
+__all__ = ["DTYPES", "ConfigError", "TrainConfig", "check_world", "load_toml", "parse_args"]
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class ConfigError(ValueError):
+    """A bad flag, config file or value; the message says which."""
+
+
+def _field(default: Any, text: str, choices: tuple[str, ...] | None = None) -> Any:
+    return dataclasses.field(default=default, metadata={"help": text, "choices": choices})
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    """One training run. Sizes are per data-parallel rank unless they say otherwise."""
+
+    # model (a Llama-style decoder, simplefsdp.models.Transformer; the vocabulary is the corpus's characters)
+    dim: int = _field(128, "model width")
+    n_layers: int = _field(4, "transformer blocks")
+    n_heads: int = _field(4, "attention heads")
+    ffn_dim: int = _field(344, "MLP hidden width")
+    seq_len: int = _field(64, "tokens per sequence")
+    # training
+    steps: int = _field(100, "total optimizer steps (a resumed run continues up to this count)")
+    batch_per_rank: int = _field(8, "sequences per data-parallel rank per step")
+    lr: float = _field(3e-3, "AdamW learning rate")
+    seed: int = _field(0, "seed of the initialisation and of the batch order")
+    # parallelism and compilation
+    nproc: int = _field(0, "ranks to spawn when not under torchrun; 0: 2 on CPU, one per GPU")
+    device: str = _field("auto", "auto: cuda (nccl) if available, else cpu (gloo)", ("auto", "cpu", "cuda"))
+    strategy: str = _field("FULL_SHARD", "sharding strategy", tuple(ShardingStrategy.__members__))
+    shard_size: int = _field(0, "HYBRID_*: ranks per shard group; 0: half the data-parallel ranks")
+    tp: int = _field(1, "tensor-parallel degree (ranks per tp group)")
+    param_dtype: str = _field("fp32", "all-gather / compute dtype", tuple(DTYPES))
+    reduce_dtype: str = _field("auto", "gradient reduction dtype; auto: param_dtype", ("auto", *DTYPES))
+    backend: str = _field("inductor", "torch.compile backend; eager: no compile", ("inductor", "aot_eager", "eager"))
+    bucket_plan: str = _field("blocks", "simplefsdp bucket plan; none: passes off", ("blocks", "auto", "cap", "none"))
+    bucket_cap_mib: float = _field(64.0, "cap / auto plans: MiB per bucket")
+    prefetch_depth: int = _field(1, "all-gathers launched ahead of the one in use")
+    profile: str = _field("auto", "cost-model device profile (auto plan, overlap estimate); auto: by device")
+    activation_checkpoint: str = _field("none", "checkpoint every block", ("none", "full", "selective"))
+    # checkpoints and output
+    checkpoint_dir: str = _field("simplefsdp-checkpoints", "where sharded checkpoints go")
+    checkpoint_every: int = _field(50, "save every N steps (and at the end); 0: only at the end")
+    keep_last: int = _field(2, "checkpoints kept")
+    resume: bool = _field(False, "continue from the newest checkpoint in checkpoint_dir (if any)")
+    metrics_file: str = _field("", "append one JSON line per step (step, loss, tokens/s) to this file")
+    progress: bool = _field(True, "progress bar on rank 0 (else one log line per 10 steps)")
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.metadata["choices"] and value not in f.metadata["choices"]:
+                raise ConfigError(f"{f.name} must be one of {', '.join(f.metadata['choices'])}; got {value!r}")
+        positive = ("dim", "n_layers", "n_heads", "ffn_dim", "seq_len", "steps", "batch_per_rank", "tp", "keep_last")
+        for name in positive:
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1; got {getattr(self, name)}")
+        for name in ("nproc", "shard_size", "checkpoint_every", "prefetch_depth"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name} must be >= 0; got {getattr(self, name)}")
+        if self.lr <= 0 or self.bucket_cap_mib <= 0:
+            raise ConfigError(f"lr and bucket_cap_mib must be positive; got {self.lr} and {self.bucket_cap_mib}")
+        if self.dim % self.n_heads or (self.dim // self.n_heads) % 2:
+            raise ConfigError(f"dim ({self.dim}) must be n_heads ({self.n_heads}) times an even head dim")
+        if self.n_heads % self.tp or self.ffn_dim % self.tp:
+            raise ConfigError(f"tp ({self.tp}) must divide n_heads ({self.n_heads}) and ffn_dim ({self.ffn_dim})")
+        if self.profile != "auto" and self.profile not in cost.PROFILES:
+            known = ", ".join(sorted(cost.PROFILES))
+            raise ConfigError(f"profile must be auto or one of {known}; got {self.profile!r}")
+
+    @property
+    def sharding(self) -> ShardingStrategy:
+        return ShardingStrategy.parse(self.strategy)
+
+    def device_type(self) -> str:
+        if self.device == "auto":
+            return "cuda" if torch.cuda.is_available() else "cpu"
+        return self.device
+
+
+def check_world(config: TrainConfig, world_size: int) -> None:
+    """The checks that need the world size: the mesh `(replicate,) (shard | dp) (tp)` must tile it."""
+    if world_size % config.tp:
+        raise ConfigError(f"tp ({config.tp}) must divide the world size ({world_size})")
+    dp = world_size // config.tp
+    if config.sharding.is_hybrid:
+        shard = config.shard_size or dp // 2
+        if shard < 1 or dp % shard:
+            raise ConfigError(f"shard_size ({shard}) must divide the data-parallel size ({dp}) for {config.strategy}")
+
+
+def _check_type(name: str, value: Any, kind: type, where: str) -> Any:
+    """`value` as a `kind` (an int is a float too); a ConfigError naming `where` otherwise."""
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if isinstance(value, kind) and (kind is bool or not isinstance(value, bool)):
+        return value
+    raise ConfigError(f"{where}: {name} must be {kind.__name__}, got {type(value).__name__} {value!r}")
+
+
+_TYPES = {"int": int, "float": float, "str": str, "bool": bool}
+
+
+def _fields() -> dict[str, dataclasses.Field]:
+    return {f.name: f for f in dataclasses.fields(TrainConfig)}
+
+
+def load_toml(path: str | Path) -> dict[str, Any]:
+    """The settings in a flat TOML file, type-checked against `TrainConfig`'s fields."""
+    try:
+        with open(path, "rb") as file:
+            document = tomllib.load(file)
+    except OSError as err:
+        raise ConfigError(f"cannot read config file {path}: {err.strerror or err}") from None
+    except tomllib.TOMLDecodeError as err:
+        raise ConfigError(f"config file {path} is not valid TOML: {err}") from None
+    fields = _fields()
+    unknown = sorted(set(document) - set(fields))
+    if unknown:
+        raise ConfigError(f"config file {path}: unknown keys {unknown}; known: {', '.join(fields)}")
+    return {k: _check_type(k, v, _TYPES[fields[k].type], f"config file {path}") for k, v in document.items()}
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that raises ConfigError instead of exiting, so the caller decides the exit code."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise ConfigError(message)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog="simplefsdp train",
+        description="Train a Llama-style model with simplefsdp + torch.compile (see simplefsdp/train/).",
+        argument_default=argparse.SUPPRESS,  # absent flags leave the file's / default values alone
+    )
+    parser.add_argument("--config", help="a TOML file of these settings (flat, snake_case keys); flags override it")
+    for name, f in _fields().items():
+        flag, kind = "--" + name.replace("_", "-"), _TYPES[f.type]
+        text = f"{f.metadata['help']} (default: {f.default})"
+        if kind is bool:
+            parser.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, help=text)
+        else:
+            parser.add_argument(
+                flag,
+                dest=name,
+                type=kind,
+                choices=f.metadata["choices"],
+                metavar=kind.__name__.upper() if not f.metadata["choices"] else None,
+                help=text,
+            )
+    return parser
+
+
+def parse_args(argv: Sequence[str]) -> TrainConfig:
+    """Defaults, then the `--config` file, then the flags."""
+    values = vars(build_parser().parse_args(list(argv)))
+    path = values.pop("config", None)
+    settings = load_toml(path) if path else {}
+    settings.update(values)
+    try:
+        return TrainConfig(**settings)
+    except ConfigError as err:
+        raise ConfigError(f"{err}{f' (flags and {path})' if path else ''}") from None

@@ -1,0 +1,285 @@
+"""The training loop of `simplefsdp train`, run on every rank of an initialised process group.
+
+    outcome = train(config, device=torch.device("cpu"))
+
+Builds the mesh `([replicate, shard] | dp) x [tp]`, the model (TP-parallelized when `tp > 1`,
+blocks checkpointed on request), wraps it with `simplefsdp.wrap`, compiles it, then runs AdamW
+steps on `TokenBatches`, saving a sharded checkpoint every `checkpoint_every` steps and at the
+end. Rank 0 shows the progress bar and writes the metrics file.
+
+Invariants: every rank runs the same number of steps and the same collectives; a resumed run
+restores the model, the optimizer, the RNG states and the batch position, so its step count and
+loss curve continue those of the run it resumes (bitwise in fp32 on the same world size, as
+`simplefsdp.checkpoint` guarantees for the state it restores).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import statistics
+import sys
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor.parallel import parallelize_module
+from tqdm import tqdm
+
+import simplefsdp
+from simplefsdp import checkpoint
+from simplefsdp.models import Transformer, TransformerArgs, tensor_parallel_plan
+from simplefsdp.passes import cost
+from simplefsdp.train import comm
+from simplefsdp.train.config import DTYPES, ConfigError, TrainConfig
+from simplefsdp.train.data import VOCAB, TokenBatches
+
+__all__ = ["TrainOutcome", "build_model", "train"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TrainOutcome:
+    """What a run did (the same on every rank except `losses`, which only rank 0 keeps)."""
+
+    start_step: int
+    end_step: int
+    losses: tuple[float, ...]
+    tokens_per_s: float | None  # median over the steps after the first of this run
+    comm: comm.CommSummary
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Built:
+    model: nn.Module  # the wrapped root
+    step_fn: nn.Module  # what the loop calls: compiled, or the model itself in eager mode
+    dp_rank: int
+    dp_size: int
+
+
+def _meshes(config: TrainConfig, device_type: str) -> tuple[DeviceMesh, DeviceMesh | None, int, int]:
+    """(data-parallel mesh, tp mesh or None, dp rank, dp size) over the whole world."""
+    dp = dist.get_world_size() // config.tp
+    if config.sharding.is_hybrid:
+        shard = config.shard_size or dp // 2
+        dims = [("replicate", dp // shard), ("shard", shard)]
+    else:
+        dims = [("dp", dp)]
+    if config.tp > 1:
+        dims.append(("tp", config.tp))
+    names = tuple(name for name, _ in dims)
+    world = init_device_mesh(device_type, tuple(size for _, size in dims), mesh_dim_names=names)
+    dp_names = tuple(name for name in names if name != "tp")
+    dp_mesh = world if dp_names == names else world[dp_names if len(dp_names) > 1 else dp_names[0]]
+    coordinate = dict(zip(names, world.get_coordinate(), strict=True))
+    dp_rank = 0
+    for name, size in dims:  # row-major over the dp dims; the tp ranks of one dp rank share its data
+        if name != "tp":
+            dp_rank = dp_rank * size + coordinate[name]
+    return dp_mesh, world["tp"] if config.tp > 1 else None, dp_rank, dp
+
+
+def _passes(config: TrainConfig, profile: str) -> simplefsdp.PassConfig | None:
+    if config.bucket_plan == "none":
+        return None
+    cap = int(config.bucket_cap_mib * 2**20)
+    return simplefsdp.PassConfig(
+        bucket=simplefsdp.BucketConfig(plan=config.bucket_plan, cap_bytes=cap, device=profile),
+        reorder=simplefsdp.ReorderConfig(prefetch_depth=config.prefetch_depth),
+    )
+
+
+def profile_name(config: TrainConfig, device: torch.device) -> str:
+    if config.profile != "auto":
+        return config.profile
+    return "h100" if device.type == "cuda" else "cpu-gloo"
+
+
+def build_model(config: TrainConfig, device: torch.device) -> Built:
+    """The wrapped (and compiled) model, the same on every rank for a given seed."""
+    dp_mesh, tp_mesh, dp_rank, dp_size = _meshes(config, device.type)
+    args = TransformerArgs(
+        vocab_size=len(VOCAB),
+        dim=config.dim,
+        n_layers=config.n_layers,
+        n_heads=config.n_heads,
+        ffn_dim=config.ffn_dim,
+        max_seq_len=config.seq_len,
+    )
+    torch.manual_seed(config.seed)
+    with device:
+        model = Transformer(args)
+    if tp_mesh is not None:
+        parallelize_module(model, tp_mesh, tensor_parallel_plan(model))
+    if config.activation_checkpoint != "none":
+        simplefsdp.checkpoint_blocks(model, policy=config.activation_checkpoint)
+    reduce = None if config.reduce_dtype == "auto" else DTYPES[config.reduce_dtype]
+    simplefsdp.wrap(
+        model,
+        dp_mesh,
+        strategy=config.sharding,
+        mp_policy=simplefsdp.MixedPrecisionPolicy(param_dtype=DTYPES[config.param_dtype], reduce_dtype=reduce),
+        passes=_passes(config, profile_name(config, device)),
+    )
+    if config.backend == "eager":
+        step_fn = model
+    else:
+        step_fn = torch.compile(model, backend="simplefsdp_aot_eager" if config.backend == "aot_eager" else "inductor")
+    return Built(model=model, step_fn=step_fn, dp_rank=dp_rank, dp_size=dp_size)
+
+
+def check_fresh_start(config: TrainConfig) -> None:
+    """Without --resume, refuse a checkpoint directory that already holds checkpoints (they would mix runs)."""
+    if config.resume:
+        return
+    newest = checkpoint.latest_checkpoint(config.checkpoint_dir)
+    if newest is not None:
+        raise ConfigError(
+            f"checkpoint_dir {config.checkpoint_dir} already holds checkpoints (newest: {newest.name}); "
+            "pass --resume to continue that run, or choose another --checkpoint-dir"
+        )
+
+
+class _Output:
+    """Rank 0's progress bar and metrics file; silent on the other ranks."""
+
+    def __init__(self, config: TrainConfig, *, start: int, enabled: bool) -> None:
+        self.enabled, self.every = enabled, 10
+        show = enabled and config.progress
+        self.bar = tqdm(total=config.steps, initial=start, disable=not show, file=sys.stderr, unit="step")
+        self.metrics = open(config.metrics_file, "a") if enabled and config.metrics_file else None  # noqa: SIM115
+
+    def step(self, record: dict[str, Any], *, compiling: bool) -> None:
+        if not self.enabled:
+            return
+        rate = "compile" if compiling else f"{record['tokens_per_s']:,.0f} tok/s"
+        self.bar.set_postfix_str(f"loss {record['loss']:.4f} | {rate}")
+        self.bar.update(1)
+        if self.bar.disable and (record["step"] % self.every == 0 or compiling):
+            logger.info("step %d: loss %.4f, %s (%.2fs)", record["step"], record["loss"], rate, record["seconds"])
+        self.write_metrics(record)
+
+    def write_metrics(self, record: dict[str, Any]) -> None:
+        if self.metrics is not None:
+            self.metrics.write(json.dumps(record) + "\n")
+            self.metrics.flush()
+
+    def say(self, line: str) -> None:
+        if self.enabled:
+            self.bar.write(line, file=sys.stderr)
+
+    def close(self) -> None:
+        self.bar.close()
+        if self.metrics is not None:
+            self.metrics.close()
+
+
+def _resume(config: TrainConfig, built: Built, opt: torch.optim.Optimizer, batches: TokenBatches) -> int:
+    """The step to start from: the newest checkpoint's (restored in place), or 0."""
+    if not config.resume:
+        return 0
+    loaded = checkpoint.load_checkpoint(config.checkpoint_dir, model=built.model, optimizer=opt, missing_ok=True)
+    if loaded is None:
+        logger.warning("--resume: no checkpoint under %s, starting from step 0", config.checkpoint_dir)
+        return 0
+    batches.load_state_dict(loaded.extra["data"])
+    logger.info("resumed from %s (step %d)", loaded.path, loaded.step)
+    return loaded.step
+
+
+def _save(config: TrainConfig, built: Built, opt: torch.optim.Optimizer, batches: TokenBatches, step: int) -> None:
+    extra = {"data": batches.state_dict()}
+    checkpoint.save_checkpoint(
+        config.checkpoint_dir, step=step, model=built.model, optimizer=opt, extra=extra, keep_last=config.keep_last
+    )
+
+
+def train(config: TrainConfig, *, device: torch.device) -> TrainOutcome:
+    """Run the steps from the resumed (or first) step to `config.steps`; see the module docstring."""
+    check_fresh_start(config)
+    built = build_model(config, device)
+    opt = torch.optim.AdamW(built.model.parameters(), lr=config.lr)
+    batches = TokenBatches(
+        seq_len=config.seq_len,
+        batch_per_rank=config.batch_per_rank,
+        dp_rank=built.dp_rank,
+        dp_size=built.dp_size,
+        seed=config.seed,
+    )
+    start = _resume(config, built, opt, batches)
+    out = _Output(config, start=start, enabled=dist.get_rank() == 0)
+    try:
+        outcome = _steps(config, built, opt, batches, out, start=start, device=device)
+        out.write_metrics({"summary": _summary_record(outcome)})
+    finally:
+        out.close()
+    return outcome
+
+
+def _steps(
+    config: TrainConfig,
+    built: Built,
+    opt: torch.optim.Optimizer,
+    batches: TokenBatches,
+    out: _Output,
+    *,
+    start: int,
+    device: torch.device,
+) -> TrainOutcome:
+    tokens_per_step = config.batch_per_rank * config.seq_len * built.dp_size
+    losses, rates, summary = [], [], comm.CommSummary(traced=False)
+    for step in range(start, config.steps):
+        tokens = next(batches).to(device)  # [B, S + 1]
+        first = step == start
+        began = time.perf_counter()
+        if first and config.backend != "eager":
+            with comm.recording(built.model) as graphs:  # the compiling call: keep its graphs
+                loss = _forward_backward(built.step_fn, tokens)
+            summary = comm.summarize(built.model, graphs, profile=cost.profile(profile_name(config, device)))
+        else:
+            loss = _forward_backward(built.step_fn, tokens)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        dist.all_reduce(loss)  # the tp ranks of one dp rank hold the same loss: the mean is the dp mean
+        value = loss.item() / dist.get_world_size()
+        seconds = time.perf_counter() - began
+        losses.append(value)
+        if not first:
+            rates.append(tokens_per_step / seconds)
+        out.step(
+            {"step": step + 1, "loss": value, "seconds": seconds, "tokens_per_s": tokens_per_step / seconds},
+            compiling=first,
+        )
+        if first:
+            out.say(summary.line())
+        if (config.checkpoint_every and (step + 1) % config.checkpoint_every == 0) or step + 1 == config.steps:
+            _save(config, built, opt, batches, step + 1)
+    return TrainOutcome(
+        start_step=start,
+        end_step=config.steps,
+        losses=tuple(losses),
+        tokens_per_s=statistics.median(rates) if rates else None,
+        comm=summary,
+    )
+
+
+def _forward_backward(step_fn: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    logits = step_fn(tokens[:, :-1])  # [B, S, V]
+    loss = F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
+    loss.backward()
+    return loss.detach()
+
+
+def _summary_record(outcome: TrainOutcome) -> dict[str, Any]:
+    return {
+        "start_step": outcome.start_step,
+        "end_step": outcome.end_step,
+        "tokens_per_s": outcome.tokens_per_s,
+        **dataclasses.asdict(outcome.comm),
+    }

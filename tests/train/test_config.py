@@ -1,0 +1,125 @@
+"""`simplefsdp train`'s settings and data, in this process (nothing is spawned): precedence of
+defaults / TOML / flags, every kind of bad input exiting 2 with a message that names it, and the
+batch iterator's determinism and resumability."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from simplefsdp.cli import main as simplefsdp_main
+from simplefsdp.train.config import ConfigError, TrainConfig, check_world, parse_args
+from simplefsdp.train.data import TokenBatches
+
+
+def test_flags_override_the_file_which_overrides_defaults(tmp_path):
+    path = tmp_path / "run.toml"
+    path.write_text('steps = 7\nstrategy = "SHARD_GRAD_OP"\nlr = 1\nprogress = false\n')
+    config = parse_args(["--config", str(path), "--steps", "9", "--tp", "2"])
+    assert (config.steps, config.strategy, config.tp, config.lr, config.progress) == (9, "SHARD_GRAD_OP", 2, 1.0, False)
+    assert config.n_layers == TrainConfig().n_layers
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.steps = 3
+
+
+def _write(tmp_path, text: str | None) -> str:
+    path = tmp_path / "bad.toml"
+    if text is not None:
+        path.write_text(text)
+    return str(path)
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (["--stepz", "3"], "unrecognized arguments: --stepz"),
+        (["--steps", "x"], "argument --steps: invalid int value: 'x'"),
+        (["--strategy", "ZERO9"], "argument --strategy: invalid choice: 'ZERO9'"),
+        (["--steps", "0"], "steps must be >= 1"),
+        (["--dim", "30"], "dim (30) must be n_heads (4) times an even head dim"),
+        (["--tp", "3"], "tp (3) must divide n_heads"),
+        (["--profile", "tpu9"], "profile must be auto or one of"),
+        (["--config", "{missing}"], "cannot read config file {missing}: No such file or directory"),
+        (["--config", "{directory}"], "cannot read config file {directory}"),
+        (["--config", "{file}"], "is not valid TOML"),
+    ],
+)
+def test_bad_input_exits_2_naming_it(tmp_path, capsys, argv, expected):
+    names = {"missing": str(tmp_path / "nope.toml"), "directory": str(tmp_path), "file": _write(tmp_path, "steps =\n")}
+    argv = [a.format(**names) for a in argv]
+    assert simplefsdp_main(["train", *argv]) == 2
+    err = capsys.readouterr().err
+    assert expected.format(**names) in err
+    assert "Traceback" not in err
+    assert err.startswith("simplefsdp train: error:")
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ('steps = "ten"\n', "steps must be int, got str 'ten'"),
+        ("progress = 1\n", "progress must be bool, got int 1"),
+        ("n_layer = 3\n", "unknown keys ['n_layer']"),
+        ("[model]\ndim = 64\n", "unknown keys ['model']"),
+        ("n_heads = 5\n", "dim (128) must be n_heads (5) times an even head dim"),
+    ],
+)
+def test_bad_config_file_names_the_file_and_key(tmp_path, capsys, text, expected):
+    path = _write(tmp_path, text)
+    assert simplefsdp_main(["train", "--config", path]) == 2
+    err = capsys.readouterr().err
+    assert expected in err
+    assert path in err
+    assert "Traceback" not in err
+
+
+def test_world_checks():
+    check_world(TrainConfig(tp=2), 4)
+    with pytest.raises(ConfigError, match=r"tp \(2\) must divide the world size \(3\)"):
+        check_world(TrainConfig(tp=2), 3)
+    with pytest.raises(ConfigError, match=r"shard_size \(3\) must divide the data-parallel size \(4\)"):
+        check_world(TrainConfig(strategy="HYBRID_SHARD", shard_size=3), 4)
+
+
+def test_existing_checkpoints_need_resume(tmp_path, capsys):
+    """A second run into the same checkpoint directory would mix two runs' checkpoints: refused before spawning."""
+    step = tmp_path / "step_000000003"
+    step.mkdir()
+    (step / "manifest.json").write_text("{}")
+    assert simplefsdp_main(["train", "--checkpoint-dir", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "already holds checkpoints (newest: step_000000003)" in err
+    assert "--resume" in err
+
+
+def _batches(dp_rank: int, dp_size: int, batch_per_rank: int) -> TokenBatches:
+    return TokenBatches(seq_len=16, batch_per_rank=batch_per_rank, dp_rank=dp_rank, dp_size=dp_size, seed=5)
+
+
+def test_global_batch_independent_of_world_size():
+    whole = next(_batches(0, 1, 8))
+    for world in (2, 4):
+        parts = [next(_batches(rank, world, 8 // world)) for rank in range(world)]
+        assert torch.equal(torch.cat(parts), whole)
+    assert whole.shape == (8, 17)
+
+
+def test_resumed_batches_continue_the_sequence():
+    straight = _batches(1, 2, 4)
+    expected = [next(straight) for _ in range(5)]
+    first = _batches(1, 2, 4)
+    for _ in range(3):
+        next(first)
+    resumed = _batches(1, 2, 4)
+    resumed.load_state_dict(first.state_dict())
+    assert all(torch.equal(next(resumed), e) for e in expected[3:])
+    other = TokenBatches(seq_len=16, batch_per_rank=4, dp_rank=1, dp_size=2, seed=6)
+    with pytest.raises(ValueError, match="data order"):
+        other.load_state_dict(first.state_dict())
+
+
+def test_help_exits_0(capsys):
+    assert simplefsdp_main(["train", "--help"]) == 0
+    assert "--checkpoint-every" in capsys.readouterr().out
