@@ -19,20 +19,24 @@ times across runs.
 from __future__ import annotations
 
 import argparse
-import os
-import re
 import statistics
-import time
 from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
+from _harness import (
+    TORCH_BUILTIN_OPTIONS,
+    add_model_arguments,
+    count_code_launches,
+    interleaved_times,
+    model_args,
+    spawn,
+)
 
 import simplefsdp
 from simplefsdp._compat import functorch_config, inductor_config, run_and_get_code
-from simplefsdp.models import Transformer, TransformerArgs
+from simplefsdp.models import Transformer
 
 CONFIGS = {
     "(a) no passes": ({"passes": None}, {}),
@@ -41,25 +45,15 @@ CONFIGS = {
         {"passes": simplefsdp.PassConfig(bucket=simplefsdp.BucketConfig(plan="auto", device="cpu-gloo"))},
         {},
     ),
-    "(c) torch built-in bucketing + reorder": (
-        {"passes": None},
-        {
-            "bucket_all_gathers_fx": "only_fsdp",
-            "bucket_reduce_scatters_fx": "all",
-            "reorder_for_compute_comm_overlap": True,
-        },
-    ),
+    "(c) torch built-in bucketing + reorder": ({"passes": None}, TORCH_BUILTIN_OPTIONS),
 }
-_LAUNCH = re.compile(r"torch\.ops\._c10d_functional\.(?!wait_tensor)(\w+)\.default\(")
 
 
 def _compile_config(name: str, args: argparse.Namespace) -> tuple[Callable[[], None], int]:
     """Build, wrap and compile one configuration; returns its training step and collectives per step."""
     wrap_kwargs, inductor_options = CONFIGS[name]
     torch.manual_seed(0)
-    sizes = {"vocab_size": args.vocab, "dim": args.dim, "n_layers": args.layers, "n_heads": args.heads}
-    model_args = TransformerArgs(**sizes, ffn_dim=args.ffn, max_seq_len=args.seq)
-    model = simplefsdp.wrap(Transformer(model_args), **wrap_kwargs)
+    model = simplefsdp.wrap(Transformer(model_args(args)), **wrap_kwargs)
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
     compiled = torch.compile(model, options=inductor_options or None)
     gen = torch.Generator().manual_seed(1 + dist.get_rank())
@@ -73,54 +67,26 @@ def _compile_config(name: str, args: argparse.Namespace) -> tuple[Callable[[], N
 
     with inductor_config.patch(fx_graph_cache=False), functorch_config.patch(enable_autograd_cache=False):
         _, code = run_and_get_code(step)  # compiles forward and backward, counts their collectives
-    return step, sum(len(_LAUNCH.findall(c)) for c in code)
+    return step, count_code_launches(code)
 
 
-def _worker(rank: int, world: int, port: int, args: argparse.Namespace, results: dict) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        steps, collectives = {}, {}
-        for name in CONFIGS:
-            steps[name], collectives[name] = _compile_config(name, args)
-            if rank == 0:
-                print(f"  compiled {name}: {collectives[name]} collectives/step", flush=True)
-        # [Note: interleaved timing] one step of each configuration in turn, so drift in the
-        # shared machine's load hits every configuration alike
-        times: dict[str, list[float]] = {name: [] for name in CONFIGS}
-        for i in range(args.warmup + args.steps):
-            for name, step in steps.items():
-                dist.barrier()
-                start = time.perf_counter()
-                step()
-                if i >= args.warmup:
-                    times[name].append(time.perf_counter() - start)
+def _worker(rank: int, args: argparse.Namespace, results: dict) -> None:
+    steps, collectives = {}, {}
+    for name in CONFIGS:
+        steps[name], collectives[name] = _compile_config(name, args)
         if rank == 0:
-            results.update({name: (statistics.median(times[name]), collectives[name]) for name in CONFIGS})
-    finally:
-        dist.destroy_process_group()
+            print(f"  compiled {name}: {collectives[name]} collectives/step", flush=True)
+    times = interleaved_times(steps, warmup=args.warmup, timed=args.steps)  # see [Note: interleaved timing]
+    if rank == 0:
+        results.update({name: (statistics.median(times[name]), collectives[name]) for name in CONFIGS})
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--dim", type=int, default=256)
-    parser.add_argument("--heads", type=int, default=8)
-    parser.add_argument("--ffn", type=int, default=688)
-    parser.add_argument("--vocab", type=int, default=1024)
-    parser.add_argument("--seq", type=int, default=64)
-    parser.add_argument("--batch", type=int, default=2)
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=15)
-    parser.add_argument("--port", type=int, default=29512)
+    add_model_arguments(parser)
     args = parser.parse_args()
-    world = 2
-    with mp.Manager() as manager:
-        results = manager.dict()
-        print(f"2 gloo ranks, FULL_SHARD fp32, {args.layers} blocks, dim {args.dim}, batch {args.batch}x{args.seq}")
-        mp.spawn(_worker, args=(world, args.port, args, results), nprocs=world, join=True)
-        results = dict(results)
+    print(f"2 gloo ranks, FULL_SHARD fp32, {args.layers} blocks, dim {args.dim}, batch {args.batch}x{args.seq}")
+    results = spawn(_worker, args, world=2, port=args.port)
     base = results["(a) no passes"][0]
     print("\n| configuration | step time (median) | vs (a) | collectives / step |")
     print("|---|---|---|---|")

@@ -1,0 +1,108 @@
+"""Pieces the distributed benchmarks share: the model flags, torch's own bucketing options, counting
+collectives, interleaved timing and spawning the ranks.
+
+Scripts in bench/ import it as `_harness` (they run as `python bench/<script>.py`, which puts
+bench/ first on the path; the spawned ranks inherit it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from simplefsdp.models import TransformerArgs
+
+__all__ = [
+    "TORCH_BUILTIN_OPTIONS",
+    "add_model_arguments",
+    "count_code_launches",
+    "interleaved_times",
+    "model_args",
+    "spawn",
+]
+
+# inductor's own FX bucketing and compute / communication reordering, instead of simplefsdp's passes
+TORCH_BUILTIN_OPTIONS = {
+    "bucket_all_gathers_fx": "only_fsdp",
+    "bucket_reduce_scatters_fx": "all",
+    "reorder_for_compute_comm_overlap": True,
+}
+_LAUNCH = re.compile(r"torch\.ops\._c10d_functional\.(?!wait_tensor)(\w+)\.default\(")
+
+
+def add_model_arguments(parser: argparse.ArgumentParser, *, steps: int = 15) -> None:
+    """The model / batch / timing flags, with the defaults of the benchmarks' 8-block model."""
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--dim", type=int, default=256)
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--ffn", type=int, default=688)
+    parser.add_argument("--vocab", type=int, default=1024)
+    parser.add_argument("--seq", type=int, default=64)
+    parser.add_argument("--batch", type=int, default=2, help="sequences per rank")
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=steps, help="timed steps (the median is reported)")
+    parser.add_argument("--port", type=int, default=29512)
+
+
+def model_args(args: argparse.Namespace) -> TransformerArgs:
+    return TransformerArgs(
+        vocab_size=args.vocab,
+        dim=args.dim,
+        n_layers=args.layers,
+        n_heads=args.heads,
+        ffn_dim=args.ffn,
+        max_seq_len=args.seq,
+    )
+
+
+def count_code_launches(code: list[str]) -> int:
+    """Collective launches in inductor's generated code (forward and backward modules)."""
+    return sum(len(_LAUNCH.findall(c)) for c in code)
+
+
+def interleaved_times(steps: Mapping[str, Callable[[], None]], *, warmup: int, timed: int) -> dict[str, list[float]]:
+    """Seconds of each timed step of each configuration, on this rank.
+
+    [Note: interleaved timing] one step of each configuration in turn, behind a barrier, so drift
+    in a shared machine's load hits every configuration alike.
+    """
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    for i in range(warmup + timed):
+        for name, step in steps.items():
+            dist.barrier()
+            start = time.perf_counter()
+            step()
+            if i >= warmup:
+                times[name].append(time.perf_counter() - start)
+    return times
+
+
+def _rank(rank: int, world: int, port: int, backend: str, worker: Callable, args: Any, results: dict) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    else:
+        torch.set_num_threads(max(1, (os.cpu_count() or world) // world))
+    dist.init_process_group(backend, rank=rank, world_size=world)
+    try:
+        worker(rank, args, results)
+    finally:
+        dist.destroy_process_group()
+
+
+def spawn(
+    worker: Callable[[int, Any, dict], None], args: Any, *, world: int = 2, port: int, backend: str = "gloo"
+) -> dict:
+    """Run `worker(rank, args, results)` on `world` ranks (one GPU each with nccl); returns `results`."""
+    with mp.Manager() as manager:
+        results = manager.dict()
+        mp.spawn(_rank, args=(world, port, backend, worker, args, results), nprocs=world, join=True)
+        return dict(results)
