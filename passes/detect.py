@@ -8,6 +8,13 @@ copies and further reductions only (HYBRID chains an all-reduce and a reduce-sca
 paired with its single `wait_tensor`. Everything else -- a user's own collectives,
 tensor-parallel collectives on activations -- is not a candidate.
 
+`groups` narrows both to collectives on the given process groups, each named by its members'
+global ranks (a group's name is not stable: torch caches DTensor specs by value, so a graph can
+carry the name of an equal, earlier mesh's group). A wrapped model's pass passes its data-parallel
+mesh's groups, which is what keeps out the tp reduction of a tensor-parallel parameter's gradient
+(a `Partial` over tp, e.g. a sequence-parallel norm's weight): it too reaches a gradient output,
+but it is tensor parallelism's, not ours.
+
 Invariant: the result lists are in graph order, so every rank, tracing the same program, finds
 the same candidates in the same order.
 """
@@ -15,8 +22,10 @@ the same candidates in the same order.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Collection
 
 import torch
+import torch.distributed as dist
 from torch import fx
 
 from simplefsdp._compat import resolve_process_group
@@ -31,7 +40,14 @@ from simplefsdp.passes.collectives import (
     search,
 )
 
-__all__ = ["FsdpAllGather", "FsdpReduction", "find_fsdp_all_gathers", "find_fsdp_reductions", "owner_of"]
+__all__ = [
+    "FsdpAllGather",
+    "FsdpReduction",
+    "find_fsdp_all_gathers",
+    "find_fsdp_reductions",
+    "group_ranks",
+    "owner_of",
+]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -96,10 +112,19 @@ def _gathered_graph_input(node: fx.Node) -> tuple[fx.Node | None, tuple[fx.Node,
     return (current if current.op == "placeholder" else None), tuple(reversed(prep))
 
 
-def find_fsdp_all_gathers(graph: fx.Graph) -> list[FsdpAllGather]:
+def group_ranks(group_name: object) -> tuple[int, ...]:
+    """The global ranks of the process group a collective names."""
+    return tuple(dist.get_process_group_ranks(resolve_process_group(str(group_name))))
+
+
+def _on(group_name: object, groups: Collection[tuple[int, ...]] | None) -> bool:
+    return groups is None or group_ranks(group_name) in groups
+
+
+def find_fsdp_all_gathers(graph: fx.Graph, *, groups: Collection[tuple[int, ...]] | None = None) -> list[FsdpAllGather]:
     found = []
     for node in graph.nodes:
-        if not is_all_gather(node):
+        if not is_all_gather(node) or not _on(node.args[2], groups):
             continue
         (source, prep), wait = _gathered_graph_input(node.args[0]), _single_wait(node)
         if source is None or wait is None:
@@ -131,7 +156,7 @@ def _reaches_output(node: fx.Node) -> bool:
     )
 
 
-def find_fsdp_reductions(graph: fx.Graph) -> list[FsdpReduction]:
+def find_fsdp_reductions(graph: fx.Graph, *, groups: Collection[tuple[int, ...]] | None = None) -> list[FsdpReduction]:
     found = []
     for node in graph.nodes:
         if is_reduce_scatter(node):
@@ -140,6 +165,8 @@ def find_fsdp_reductions(graph: fx.Graph) -> list[FsdpReduction]:
             kind, (_, reduce_op, group_name) = "all_reduce", node.args[:3]
             group_size = resolve_process_group(group_name).size()
         else:
+            continue
+        if not _on(group_name, groups):
             continue
         wait = _single_wait(node)
         if wait is None or not _reaches_output(wait):

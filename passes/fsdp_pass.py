@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import logging
+from collections.abc import Collection
 from typing import Literal
 
 from torch import fx
@@ -32,7 +33,7 @@ __all__ = ["BucketConfig", "FsdpPass", "PassConfig"]
 
 logger = logging.getLogger(__name__)
 
-_VERSION = "2"  # bump when the pass's output changes for the same input graph (keys the compile cache)
+_VERSION = "3"  # bump when the pass's output changes for the same input graph (keys the compile cache)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -109,19 +110,21 @@ class FsdpPass(CustomGraphPass):
     launches / waits moved (a compile-cache hit runs no pass and counts nothing).
     """
 
-    def __init__(self, config: PassConfig | None = None) -> None:
+    def __init__(self, config: PassConfig | None = None, *, groups: Collection[tuple[int, ...]] | None = None) -> None:
         self.config = config or PassConfig()
+        # the data-parallel process groups (their global ranks) whose collectives are FSDP's (None: any)
+        self.groups = None if groups is None else frozenset(groups)
         self.graphs = 0
         self.merged = 0
         self.moved = 0
 
     def __call__(self, graph: fx.Graph) -> None:
         self.graphs += 1
-        merged = _bucket(graph, self.config.bucket) if self.config.bucket is not None else 0
+        merged = _bucket(graph, self.config.bucket, self.groups) if self.config.bucket is not None else 0
         moved = 0
         if self.config.reorder is not None:
             moved = reorder_all_gathers(graph, config=self.config.reorder)
-            moved += reorder_reductions(graph, config=self.config.reorder)
+            moved += reorder_reductions(graph, config=self.config.reorder, groups=self.groups)
         self.merged += merged
         self.moved += moved
         if merged or moved:
@@ -129,13 +132,14 @@ class FsdpPass(CustomGraphPass):
             logger.info("simplefsdp pass: merged away %d collectives, moved %d launches / waits", merged, moved)
 
     def uuid(self) -> str:
-        return hashlib.sha256(f"simplefsdp-pass-{_VERSION}-{self.config}".encode()).hexdigest()
+        groups = sorted(self.groups) if self.groups is not None else None
+        return hashlib.sha256(f"simplefsdp-pass-{_VERSION}-{self.config}-{groups}".encode()).hexdigest()
 
 
-def _bucket(graph: fx.Graph, config: BucketConfig) -> int:
+def _bucket(graph: fx.Graph, config: BucketConfig, groups: frozenset[tuple[int, ...]] | None) -> int:
     removed = 0
     if config.bucket_all_gathers:
-        gathers = find_fsdp_all_gathers(graph)
+        gathers = find_fsdp_all_gathers(graph, groups=groups)
         cands = [
             Candidate(i, ("all_gather", g.group_name, g.group_size, g.dtype), g.nbytes, g.owner)
             for i, g in enumerate(gathers)
@@ -143,7 +147,7 @@ def _bucket(graph: fx.Graph, config: BucketConfig) -> int:
         compute = _compute_windows(graph, [g.collective for g in gathers], config, after=True)
         removed += apply_all_gather_buckets(graph, gathers, config.make_plan(cands, compute_s=compute))
     if config.bucket_reductions:
-        reductions = find_fsdp_reductions(graph)
+        reductions = find_fsdp_reductions(graph, groups=groups)
         cands = [
             Candidate(i, (r.kind, r.reduce_op, r.group_name, r.group_size, r.dtype), r.nbytes, r.owner)
             for i, r in enumerate(reductions)

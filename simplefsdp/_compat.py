@@ -57,6 +57,11 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 # Look up a process group by the name functional collectives carry in the graph. Checked on 2.13.
 from torch.distributed.distributed_c10d import _resolve_process_group as resolve_process_group
 
+# Placement of a dim sharded by two mesh dims where the left one shards the right one's chunks
+# (FSDP over TP on the same tensor dim), and the root mesh a submesh was sliced from.
+# torch.distributed.tensor.placement_types._StridedShard, DeviceMesh._get_root_mesh: checked on 2.13.
+from torch.distributed.tensor.placement_types import _StridedShard as StridedShard
+
 # torch.utils._pytree: tree_map over (args, kwargs) for the mixed-precision input cast, leaves of FX args.
 # Stable since 2.0; checked on 2.13.
 from torch.utils._pytree import tree_leaves, tree_map_only
@@ -107,6 +112,11 @@ def install_rank_aware_dtensor_cache_keys() -> None:
     DTensor._stable_hash_for_caching = _rank_aware_stable_hash
 
 
+def root_mesh(mesh):
+    """The mesh `mesh` was sliced from (itself when it is a root). `DeviceMesh._get_root_mesh`: checked on 2.13."""
+    return mesh._get_root_mesh()
+
+
 def fake_store():
     """A `FakeStore` for the "fake" process-group backend: one process traces any world size.
 
@@ -126,6 +136,7 @@ __all__ = [
     "FakeTensorMode",
     "OpOverload",
     "OpOverloadPacket",
+    "StridedShard",
     "aot_autograd",
     "eager_top_frame",
     "fake_store",
@@ -135,6 +146,7 @@ __all__ = [
     "min_cut_rematerialization_partition",
     "register_backend",
     "resolve_process_group",
+    "root_mesh",
     "run_and_get_code",
     "stable_topological_sort",
     "tree_leaves",

@@ -37,6 +37,7 @@ from torch.distributed.tensor import DTensor, Partial, Placement, Replicate
 from torch.utils.checkpoint import checkpoint
 
 from simplefsdp.accumulate import Accumulation, accumulating_gather
+from simplefsdp.tensor_parallel import TensorParallelLayout
 from simplefsdp.tied import gather_once
 
 __all__ = ["OWNER_KEY", "GatherSpec", "gather_full"]
@@ -64,6 +65,9 @@ class GatherSpec:
     # wrapped models (see `tied.py`); None for a parameter with one holder
     tied_key: str | None = None
     accumulation: Accumulation | None = dataclasses.field(default=None, compare=False)  # `no_sync` state
+    # a tensor-parallel parameter: gathered over the dp mesh into the TP DTensor its module computes
+    # with (see `tensor_parallel.py`); None for a plain parameter
+    tp: TensorParallelLayout | None = dataclasses.field(default=None, compare=False)
 
     @property
     def full_placements(self) -> tuple[Placement, ...]:
@@ -92,7 +96,8 @@ def _tagged_redistribute(param: DTensor, spec: GatherSpec) -> torch.Tensor:
 
 
 def gather_full(param: DTensor, spec: GatherSpec) -> torch.Tensor:
-    """The full (unsharded) local tensor of `param`, in `spec.param_dtype`, differentiable.
+    """The full (unsharded) local tensor of `param`, in `spec.param_dtype`, differentiable; for a
+    tensor-parallel parameter, the DTensor on the tp mesh with its TP placement, gathered over dp only.
 
     Its gradient is reduced over the mesh in `spec.reduce_dtype` and lands in `param.grad` as a
     DTensor with `param`'s placements and dtype. A tied parameter is gathered once per root forward.
@@ -107,6 +112,13 @@ def _accumulating(param: DTensor, spec: GatherSpec) -> torch.Tensor:
 
 
 def _gather(param: DTensor, spec: GatherSpec) -> torch.Tensor:
+    if spec.tp is None:
+        return _gather_dp(param, spec)
+    return spec.tp.as_tensor_parallel(_gather_dp(spec.tp.dp_view(param), spec))
+
+
+def _gather_dp(param: DTensor, spec: GatherSpec) -> torch.Tensor:
+    """`param` (a DTensor on the dp mesh) gathered over it: the full local tensor."""
     if not torch.compiler.is_compiling():
         return _redistribute(param, spec)
     if spec.reshard_after_forward:

@@ -8,6 +8,7 @@ import logging
 from collections import Counter
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, distribute_tensor
@@ -22,6 +23,7 @@ from simplefsdp.passes import install as passes_install
 from simplefsdp.passes.fsdp_pass import FsdpPass, PassConfig
 from simplefsdp.passes.plan import find_repeated_blocks, validate_patterns
 from simplefsdp.strategy import ShardingStrategy
+from simplefsdp.tensor_parallel import TensorParallelLayout, combined_mesh, shard_tensor_parallel
 from simplefsdp.tied import install_scope
 
 __all__ = ["wrap"]
@@ -37,19 +39,21 @@ def _floating_params(model: nn.Module) -> dict[str, nn.Parameter]:
     return {fqn: p for fqn, p in model.named_parameters() if p.is_floating_point()}
 
 
-def _check_wrappable(model: nn.Module, params: dict[str, nn.Parameter]) -> None:
+def _check_wrappable(model: nn.Module, params: dict[str, nn.Parameter], mesh: DeviceMesh | None) -> None:
     if getattr(model, _ROOT_ATTR, False):
         raise ValueError("the model is already wrapped by simplefsdp.wrap(); wrap a model once, at its root")
     for fqn, module in model.named_modules():
         if getattr(module, _ROOT_ATTR, False) or is_wrapped_module(module):
             where = f"submodule {fqn!r}" if fqn else "the model"
             raise ValueError(f"{where} is already wrapped by simplefsdp.wrap(); wrap a model once, at its root")
-    for fqn, param in params.items():
-        if isinstance(param, DTensor):
-            raise ValueError(
-                f"parameter {fqn!r} is already a DTensor (placements {param.placements} on {param.device_mesh}); "
-                "simplefsdp.wrap() shards plain tensors (composition with tensor parallel is not supported yet)"
-            )
+    tensor_parallel = [fqn for fqn, param in params.items() if isinstance(param, DTensor)]
+    if tensor_parallel and mesh is None:
+        param = params[tensor_parallel[0]]
+        raise ValueError(
+            f"parameter {tensor_parallel[0]!r} is already a DTensor ({param.placements} on {param.device_mesh}), "
+            "e.g. from tensor parallelism: pass the data-parallel submesh of the same parent mesh, "
+            "e.g. simplefsdp.wrap(model, world_mesh['dp'])"
+        )
 
 
 def _device_type(params: dict[str, nn.Parameter]) -> str:
@@ -72,20 +76,29 @@ def _check_devices(params: dict[str, nn.Parameter], mesh: DeviceMesh) -> None:
             )
 
 
-def _shard(param: nn.Parameter, mesh: DeviceMesh, strategy: ShardingStrategy) -> nn.Parameter:
+def _shard(
+    param: nn.Parameter, mesh: DeviceMesh, strategy: ShardingStrategy, *, fqn: str
+) -> tuple[nn.Parameter, TensorParallelLayout | None]:
+    """`param` sharded over `mesh` (a TP DTensor: over `mesh` and its tp mesh, with its layout)."""
     placements = strategy.placements(param_ndim=param.ndim)
     # distribute_tensor takes rank 0's values, so ranks that initialised differently still agree;
     # a meta parameter has no values: each rank makes its (meta) shard locally.
     source = None if param.is_meta else 0
-    sharded = nn.Parameter(
-        distribute_tensor(param.detach(), mesh, placements, src_data_rank=source), requires_grad=param.requires_grad
-    )
+    layout = None
+    if isinstance(param, DTensor):
+        value, layout = shard_tensor_parallel(
+            param.detach(), fqn=fqn, dp_mesh=mesh, dp_placements=placements, src_data_rank=source
+        )
+    else:
+        value = distribute_tensor(param.detach(), mesh, placements, src_data_rank=source)
+    sharded = nn.Parameter(value, requires_grad=param.requires_grad)
     sharded.__dict__.update(param.__dict__)  # keep user tags such as `_no_weight_decay`
-    return sharded
+    return sharded, layout
 
 
-def _make_pass(model: nn.Module, passes: PassConfig | None) -> FsdpPass | None:
-    """The model's pass; the default block plan gets its blocks from the model's structure."""
+def _make_pass(model: nn.Module, passes: PassConfig | None, mesh: DeviceMesh) -> FsdpPass | None:
+    """The model's pass, acting on the collectives of `mesh`'s groups only; the default block plan
+    gets its blocks from the model's structure."""
     if passes is None:
         return None
     bucket = passes.bucket
@@ -93,7 +106,8 @@ def _make_pass(model: nn.Module, passes: PassConfig | None) -> FsdpPass | None:
         bucket = dataclasses.replace(bucket, blocks=tuple(find_repeated_blocks(model)))
     if bucket is not None and bucket.plan == "patterns":
         validate_patterns(bucket.patterns, model)
-    return FsdpPass(dataclasses.replace(passes, bucket=bucket))
+    groups = [tuple(dist.get_process_group_ranks(mesh.get_group(dim))) for dim in range(mesh.ndim)]
+    return FsdpPass(dataclasses.replace(passes, bucket=bucket), groups=groups)
 
 
 def wrap(
@@ -109,9 +123,13 @@ def wrap(
     """Shard `model`'s floating-point parameters over `mesh`, in place, and return `model`.
 
     Args:
-        model: a plain module (its parameters plain tensors on one device type).
+        model: a plain module (its parameters plain tensors on one device type), or one already
+            parallelized with torch's `parallelize_module` (tensor parallel: DTensor parameters).
         mesh: the data-parallel mesh; `None` is 1-D over the default process group. The
-            `HYBRID_*` strategies need a 2-D mesh `(replicate, shard)`.
+            `HYBRID_*` strategies need a 2-D mesh `(replicate, shard)`. For a tensor-parallel
+            model, the data-parallel submesh of the mesh the tp mesh was sliced from (its dims
+            before the tp dims): each parameter then becomes a DTensor on `(*dp dims, *tp dims)`,
+            gathered over dp only (`tensor_parallel.py`).
         strategy: a `ShardingStrategy` or its name (see `strategy.py` for the table).
         mp_policy: mixed precision; `None` computes and reduces in the parameters' own dtype.
         reshard_after_forward: overrides the strategy's default (True for FULL_SHARD / HYBRID_SHARD).
@@ -139,12 +157,16 @@ def wrap(
     if passes is not None and not isinstance(passes, PassConfig):
         raise TypeError(f"passes must be a simplefsdp.PassConfig or None, got {type(passes).__name__}")
     params = _floating_params(model)
-    _check_wrappable(model, params)
+    _check_wrappable(model, params, mesh)
     mesh = resolve_mesh(mesh, strategy=strategy, device_type=_device_type(params))
     _check_devices(params, mesh)
+    for fqn, param in params.items():  # all checked before any is changed: an error leaves the model as it was
+        if isinstance(param, DTensor):
+            combined_mesh(mesh, param.device_mesh, fqn=fqn)
     reshard = strategy.reshard_after_forward if reshard_after_forward is None else reshard_after_forward
 
     sharded: dict[int, nn.Parameter] = {}  # id(original) -> sharded; tied parameters stay one object
+    layouts: dict[int, TensorParallelLayout | None] = {}  # id(original) -> its TP layout, if any
     fqns = {id(p): fqn for fqn, p in params.items()}  # a tied parameter is named by its first FQN
     accumulation = Accumulation()
     wrap_id = next(_WRAP_IDS)  # tells apart the tied parameters of different wrapped models
@@ -155,7 +177,7 @@ def wrap(
             if param is None or not param.is_floating_point():
                 continue
             if id(param) not in sharded:
-                sharded[id(param)] = _shard(param, mesh, strategy)
+                sharded[id(param)], layouts[id(param)] = _shard(param, mesh, strategy, fqn=fqns[id(param)])
                 grad_dtype = mp_policy.reduction_dtype(param.dtype)
                 accumulation.add_parameter(fqns[id(param)], sharded[id(param)], grad_dtype=grad_dtype)
             specs[name] = GatherSpec(
@@ -167,6 +189,7 @@ def wrap(
                 reshard_after_forward=reshard,
                 tied_key=f"{wrap_id}/{fqns[id(param)]}" if holders[id(param)] > 1 else None,
                 accumulation=accumulation,
+                tp=layouts[id(param)],
             )
         for name in specs:
             module._parameters[name] = sharded[id(module._parameters[name])]
@@ -176,7 +199,7 @@ def wrap(
     if any(n > 1 for n in holders.values()):
         install_scope(model)
     attach(model, accumulation)
-    passes_install.install(model, _make_pass(model, passes))
+    passes_install.install(model, _make_pass(model, passes, mesh))
     install_rank_aware_dtensor_cache_keys()
     setattr(model, _ROOT_ATTR, True)
 

@@ -24,12 +24,22 @@ def ranks4():
     pool.close()
 
 
+def _fake_world(size: int):
+    dist.init_process_group("fake", store=fake_store(), rank=0, world_size=size)
+    yield size
+    dist.destroy_process_group()
+
+
 @pytest.fixture(scope="module")
 def fake_world8():
     """This process as rank 0 of a world of 8 on the "fake" backend: collectives trace but move no data."""
-    dist.init_process_group("fake", store=fake_store(), rank=0, world_size=8)
-    yield 8
-    dist.destroy_process_group()
+    yield from _fake_world(8)
+
+
+@pytest.fixture(scope="module")
+def fake_world64():
+    """As `fake_world8`, a world of 64 (e.g. dp 8 x tp 8); a test module uses one fake world only."""
+    yield from _fake_world(64)
 
 
 @pytest.fixture(autouse=True)

@@ -1,6 +1,6 @@
 """A small Llama-style decoder: RMSNorm, rotary attention, SwiGLU MLP, untied output head.
 
-Used by the demo, the tests and the benchmarks. Shapes are commented as `# [B, S, D]`:
+Used by `simplefsdp train`, the tests and the benchmarks. Shapes are commented as `# [B, S, D]`:
 B batch, S sequence, D model dim, H heads, Dh head dim, V vocabulary.
 """
 
@@ -70,14 +70,15 @@ def apply_rope(x: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
 class Attention(nn.Module):
     def __init__(self, args: TransformerArgs) -> None:
         super().__init__()
-        self.n_heads = args.n_heads
+        self.head_dim = args.dim // args.n_heads
         self.wq = nn.Linear(args.dim, args.dim, bias=False)
         self.wk = nn.Linear(args.dim, args.dim, bias=False)
         self.wv = nn.Linear(args.dim, args.dim, bias=False)
         self.wo = nn.Linear(args.dim, args.dim, bias=False)
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
-        q, k, v = (w(x).unflatten(-1, (self.n_heads, -1)) for w in (self.wq, self.wk, self.wv))  # [B, S, H, Dh]
+        # heads counted from the projection's width: under tensor parallelism each rank holds H / tp of them
+        q, k, v = (w(x).unflatten(-1, (-1, self.head_dim)) for w in (self.wq, self.wk, self.wv))  # [B, S, H, Dh]
         q, k = apply_rope(q, rope), apply_rope(k, rope)
         out = F.scaled_dot_product_attention(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
