@@ -5,6 +5,7 @@ model = torch.compile(model)           # all-gathers / reduce-scatters are trace
 """
 
 from simplefsdp.accumulate import no_sync
+from simplefsdp.activation_checkpoint import checkpoint_blocks
 from simplefsdp.materialize import materialize
 from simplefsdp.mixed_precision import MixedPrecisionPolicy
 from simplefsdp.parametrize import sharded_parameters
@@ -20,6 +21,7 @@ __all__ = [
     "PassConfig",
     "ReorderConfig",
     "ShardingStrategy",
+    "checkpoint_blocks",
     "materialize",
     "no_sync",
     "sharded_parameters",

@@ -174,3 +174,17 @@ def meta_materialize(seed: int) -> tuple[dict[str, torch.Tensor], dict[str, int]
     for fqn, p in model.named_parameters():
         torch.testing.assert_close(p.grad.full_tensor(), 2 * once[fqn], msg=fqn)
     return T.full_params(model), local, peak, logits
+
+
+def train_checkpointed(backend: str, policy: str | None) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """FULL_SHARD, every block checkpointed with `policy` (None: one process, no checkpointing, the
+    reference), SGD: (losses, full parameters)."""
+    model = T.fresh_model()
+    if policy is None:
+        losses, _ = _train(model, model, shard=False)
+        return losses, T.full_params(model)
+    simplefsdp.checkpoint_blocks(model, policy=policy)
+    simplefsdp.wrap(model)
+    step_fn = model if backend == "eager" else torch.compile(model, backend=backend)
+    losses, _ = _train(model, step_fn, shard=True)
+    return losses, T.full_params(model)

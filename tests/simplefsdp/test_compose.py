@@ -94,6 +94,64 @@ def test_tied_parameter_reduced_once_in_eager(fake_world8):
     }
 
 
+@functools.cache
+def _unchecked_reference() -> tuple[list[float], dict[str, torch.Tensor]]:
+    return C.train_checkpointed("reference", None)
+
+
+@pytest.mark.parametrize(
+    ("backend", "policy"),
+    [("eager", "full"), ("aot_eager", "full"), ("inductor", "full"), ("inductor", "selective")],
+)
+def test_activation_checkpointing_matches_reference(ranks2, backend, policy):
+    """Every block checkpointed (full / selective) and FULL_SHARD: training equals the unsharded,
+    uncheckpointed single process."""
+    want_losses, want_params = _unchecked_reference()
+    losses, params = ranks2.run(C.train_checkpointed, backend, policy)[0]
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(want_losses), **FP32_TOL)
+    for fqn, value in want_params.items():
+        torch.testing.assert_close(params[fqn], value, **FP32_TOL, msg=lambda m, fqn=fqn: f"{fqn}: {m}")
+
+
+@pytest.mark.parametrize("policy", ["full", "selective"])
+def test_activation_checkpointing_adds_no_gather(fake_world8, policy):
+    """Checkpointed blocks under FULL_SHARD: backward re-gathers each parameter once, exactly as
+    without checkpointing (the recomputation's gather is the backward's), and saves fewer tensors."""
+
+    def step_graphs(checkpointed: bool):
+        torch.manual_seed(0)
+        model = Transformer(T.ARGS)
+        if checkpointed:
+            assert simplefsdp.checkpoint_blocks(model, policy=policy) == ["layers.0", "layers.1"]
+        simplefsdp.wrap(model, passes=None)
+        tokens = torch.randint(0, T.ARGS.vocab_size, (2, 8))
+        torch.compiler.reset()
+        return capture_step(model, lambda compiled: compiled(tokens).sum())
+
+    plain, checkpointed = step_graphs(False), step_graphs(True)
+    n_params = len(list(Transformer(T.ARGS).parameters()))
+    for graphs in (plain, checkpointed):
+        assert collective_counts(graphs.forward)["all_gather"] == n_params
+        assert collective_counts(graphs.backward)["all_gather"] == n_params - 1, (
+            "one re-gather each (not the embedding)"
+        )
+        assert collective_counts(graphs.backward)["reduce_scatter"] == n_params
+    assert len(checkpointed.saved_for_backward()) < len(plain.saved_for_backward()), "activations are recomputed"
+
+
+def test_checkpoint_blocks_errors():
+    model = Transformer(T.ARGS)
+    with pytest.raises(ValueError, match="unknown checkpoint policy 'most'"):
+        simplefsdp.checkpoint_blocks(model, policy="most")
+    with pytest.raises(ValueError, match=r"no submodules named \['layers.9'\]"):
+        simplefsdp.checkpoint_blocks(model, blocks=["layers.9"])
+    simplefsdp.checkpoint_blocks(model)
+    with pytest.raises(ValueError, match="already checkpointed"):
+        simplefsdp.checkpoint_blocks(model, blocks=["layers.1"])
+    with pytest.raises(ValueError, match="no repeated blocks"):
+        simplefsdp.checkpoint_blocks(torch.nn.Linear(2, 2))
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_no_sync_accumulation_equals_one_batch(ranks2, backend):
     """Two micro-batches, the first under `no_sync`, give the one-batch result; compiled, the graphs
