@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import dataclasses
 import operator
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 
 import torch
 from torch import fx
@@ -53,7 +53,10 @@ class ReorderConfig:
     """How far ahead to launch collectives (see the module docstring)."""
 
     prefetch_depth: int = 1  # all-gathers launched ahead of the one being waited
-    max_in_flight_bytes: int = 2**30  # extra gathered buffers / reduction inputs kept alive by reordering
+    # extra gathered buffers / reduction inputs kept alive by reordering; the default admits one
+    # prefetched block of a Llama-3-405B-sized model in bf16 (6.4 GB): a smaller cap silently turns
+    # prefetch off for any block bigger than it
+    max_in_flight_bytes: int = 8 * 2**30
 
     def __post_init__(self) -> None:
         if self.prefetch_depth < 0:
@@ -188,10 +191,12 @@ def reorder_all_gathers(graph: fx.Graph, *, config: ReorderConfig) -> int:
     return moved
 
 
-def reorder_reductions(graph: fx.Graph, *, config: ReorderConfig) -> int:
-    """Launch each gradient reduction right after its inputs exist, wait as late as the budget allows;
-    returns how many waits moved later."""
-    reductions = find_fsdp_reductions(graph)
+def reorder_reductions(
+    graph: fx.Graph, *, config: ReorderConfig, groups: Collection[tuple[int, ...]] | None = None
+) -> int:
+    """Launch each gradient reduction (on `groups`, if given) right after its inputs exist, wait as
+    late as the budget allows; returns how many waits moved later."""
+    reductions = find_fsdp_reductions(graph, groups=groups)
     for r in reductions:  # as soon as possible: each chain node right after its latest input
         for node in sorted([*_reduction_launch_chain(r.collective), r.collective]):
             inputs = node.all_input_nodes
