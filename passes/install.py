@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
+import types
 from collections.abc import Iterator, Sequence
 
 import torch
@@ -132,9 +133,28 @@ def _leave(stack: contextlib.ExitStack) -> None:
     stack.close()
 
 
+# [Note: one compiled-code cache per pass configuration]
+# Dynamo caches compiled frames on the code object of the function it compiles -- here the model
+# class's `forward` -- and its guards do not look at inductor's config. Two models of one class
+# wrapped with different passes (or one with passes off) would therefore run each other's graphs:
+# the second model's compile is a cache hit and its pass never runs. So each pass configuration
+# compiles its own copy of `forward` (same code, a distinct code object): models whose passes
+# agree share compiled code, models whose passes differ do not.
+def _forward_copy(forward: object) -> object:
+    if not isinstance(forward, types.FunctionType):
+        return forward
+    copy = types.FunctionType(
+        forward.__code__.replace(), forward.__globals__, forward.__name__, forward.__defaults__, forward.__closure__
+    )
+    copy.__kwdefaults__ = forward.__kwdefaults__
+    copy.__qualname__, copy.__doc__, copy.__module__ = forward.__qualname__, forward.__doc__, forward.__module__
+    return copy
+
+
 @functools.cache
-def _compiling_class(cls: type[nn.Module]) -> type[nn.Module]:
-    original_forward = cls.forward
+def _compiling_class(cls: type[nn.Module], pass_key: str) -> type[nn.Module]:
+    """`cls` with a `forward` that runs under the pass keyed `pass_key` (its `uuid()`)."""
+    original_forward = _forward_copy(cls.forward)
 
     def forward(self, *args, **kwargs):
         if torch.compiler.is_compiling():  # inlined into a larger compiled function, see the module note
@@ -153,4 +173,4 @@ def install(model: nn.Module, graph_pass: FsdpPass | None) -> None:
     """Attach `graph_pass` to the wrapped root `model` so its compiles run it (None: passes off)."""
     setattr(model, _PASS_ATTR, graph_pass)
     if graph_pass is not None:
-        model.__class__ = _compiling_class(type(model))
+        model.__class__ = _compiling_class(type(model), graph_pass.uuid())

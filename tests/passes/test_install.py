@@ -56,3 +56,23 @@ def test_inference_flag_reaches_aware_passes():
     chain = _with(FsdpPass(), [_Aware(log), _Named("plain", log)])
     chain(fx.Graph(), is_inference=True)
     assert log == [("aware", True), "plain"]
+
+
+def test_models_of_one_class_with_different_passes_compile_apart(fake_world8):
+    """Dynamo caches compiled code per code object and does not guard on the pass: a model whose pass
+    neither buckets nor reorders, compiled first, must not hand its graphs to a model of the same
+    class with the default pass."""
+    import torch
+
+    import simplefsdp
+    from simplefsdp.models import Transformer, TransformerArgs
+    from simplefsdp.passes.install import pass_of
+
+    args = TransformerArgs(n_layers=2)
+    tokens = torch.randint(0, args.vocab_size, (2, 8))
+    plain = simplefsdp.wrap(Transformer(args), passes=simplefsdp.PassConfig(bucket=None, reorder=None))
+    torch.compile(plain, backend="simplefsdp_aot_eager")(tokens).sum().backward()
+    ours = simplefsdp.wrap(Transformer(args))
+    torch.compile(ours, backend="simplefsdp_aot_eager")(tokens).sum().backward()
+    assert pass_of(ours).graphs == 2, "the second model compiled its own forward and backward, with its pass"
+    assert pass_of(ours).merged > 0
