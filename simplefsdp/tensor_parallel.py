@@ -76,11 +76,13 @@ def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
     return torch.empty(shape, device="meta").stride()
 
 
-def _names(mesh: DeviceMesh, what: str) -> tuple[str, ...]:
+def _names(mesh: DeviceMesh, what: str, *, fqn: str) -> tuple[str, ...]:
     if not mesh.mesh_dim_names:
         raise ValueError(
-            f"the {what} mesh {mesh} has no dim names; build the mesh with init_device_mesh(..., "
-            "mesh_dim_names=(...)) and pass its named submeshes (e.g. mesh['dp'] and mesh['tp'])"
+            f"parameter {fqn!r} is already a DTensor, which wrap() accepts from tensor parallelism only, "
+            f"on named meshes; the {what} mesh {mesh} has no dim names: build one mesh with "
+            "init_device_mesh(..., mesh_dim_names=('dp', 'tp')) and pass its named submeshes "
+            "(world['tp'] to parallelize_module, world['dp'] to wrap)"
         )
     return tuple(mesh.mesh_dim_names)
 
@@ -91,7 +93,7 @@ def combined_mesh(dp_mesh: DeviceMesh, tp_mesh: DeviceMesh, *, fqn: str) -> Devi
     Raises a `ValueError` naming the parameter when the two meshes do not come from one parent
     mesh, share a dim, or the dp dims do not come before the tp dims in the parent.
     """
-    dp_names, tp_names = _names(dp_mesh, "data-parallel"), _names(tp_mesh, f"tensor-parallel (of {fqn!r})")
+    dp_names, tp_names = _names(dp_mesh, "data-parallel", fqn=fqn), _names(tp_mesh, "parameter's", fqn=fqn)
     # The dp mesh's parent must hold the tp dims, and slicing them from it must give the very mesh
     # the parameter lives on (compared by value: torch caches equal submeshes and specs, so the
     # parameter's mesh object may come from another, equal, parent).
