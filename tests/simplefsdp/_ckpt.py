@@ -18,10 +18,11 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor.parallel import parallelize_module
 
 import simplefsdp
 from simplefsdp import checkpoint
-from simplefsdp.models import Transformer
+from simplefsdp.models import Transformer, tensor_parallel_plan
 from tests.simplefsdp import _training as T
 
 DATASET = torch.randint(0, T.ARGS.vocab_size, (48, T.SEQ + 1), generator=torch.Generator().manual_seed(7))
@@ -46,11 +47,19 @@ def mesh(strategy: str, shape: tuple[int, ...] | None = None) -> DeviceMesh:
     return init_device_mesh("cpu", shape, mesh_dim_names=names)
 
 
-def build(strategy: str, shape: tuple[int, ...] | None = None) -> tuple[Transformer, torch.optim.Optimizer]:
+def build(
+    strategy: str, shape: tuple[int, ...] | None = None, *, tp: int = 1
+) -> tuple[Transformer, torch.optim.Optimizer]:
+    """The model, wrapped; with `tp` > 1 first tensor-parallel on a (world / tp, tp) mesh `(dp, tp)`."""
     torch.manual_seed(0)
     random.seed(0)
     model = Transformer(T.ARGS)
-    simplefsdp.wrap(model, mesh(strategy, shape), strategy=strategy)
+    if tp == 1:
+        simplefsdp.wrap(model, mesh(strategy, shape), strategy=strategy)
+    else:
+        world = init_device_mesh("cpu", (dist.get_world_size() // tp, tp), mesh_dim_names=("dp", "tp"))
+        parallelize_module(model, world["tp"], tensor_parallel_plan(model))
+        simplefsdp.wrap(model, world["dp"], strategy=strategy)
     return model, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
 
 
@@ -106,11 +115,13 @@ def train(
     restore_rng: bool = True,
     fault: Fault | None = None,
     timeout: timedelta = checkpoint.sharded.DEFAULT_TIMEOUT,
+    tp: int = 1,
 ) -> Run:
     """Train to `steps` (or stop before step `stop_at`), resuming from and saving to `root` (None: no
     checkpoints). `fault`: a rank kills or stops itself (see `Fault`); `timeout`: the checkpoint
-    functions' wait for the slowest rank."""
-    model, optimizer = build(strategy, shape)
+    functions' wait for the slowest rank. `tp` > 1 (tensor parallel) is for loading only: `step`
+    splits batches over every rank, which is not what the tp ranks of one dp rank must see."""
+    model, optimizer = build(strategy, shape, tp=tp)
     step_fn = model if backend == "eager" else torch.compile(model, backend=backend)
     resumed = None
     if root is not None:
@@ -118,6 +129,8 @@ def train(
             root, model=model, optimizer=optimizer, missing_ok=True, restore_rng=restore_rng, timeout=timeout
         )
     start, offset = (resumed.step, resumed.extra["data_offset"]) if resumed else (0, 0)
+    if tp > 1 and start < (steps if stop_at is None else stop_at):
+        raise ValueError("train(tp > 1) only loads: it must resume at its last step")
     losses = []
     for k in range(start, steps if stop_at is None else stop_at):
         loss, offset = step(step_fn, optimizer, offset, fault=fault, k=k)

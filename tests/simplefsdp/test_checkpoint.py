@@ -64,12 +64,14 @@ def test_resume_is_bitwise_for_every_strategy(ranks2, tmp_path):
 
 
 def test_load_reshards(ranks2, ranks4, tmp_path):
-    """Saved on 4 ranks FULL_SHARD; loaded on 2 ranks (FULL_SHARD, SHARD_GRAD_OP, NO_SHARD) and on
-    4 ranks as HYBRID_SHARD (2x2): the full parameters and optimizer state are the saved ones, bitwise."""
+    """Saved on 4 ranks FULL_SHARD; loaded on 2 ranks (FULL_SHARD, SHARD_GRAD_OP, NO_SHARD), on
+    4 ranks as HYBRID_SHARD (2x2) and as FULL_SHARD over dp 2 x tensor parallel 2: the full
+    parameters and optimizer state are the saved ones, bitwise."""
     root = str(tmp_path)
     saved = ranks4.run(C.train, root, strategy="FULL_SHARD", steps=2)[0]
     loaded = ranks2.run(C.train_many, [(root, {"strategy": s, "steps": 2}) for s in ONE_D])[0]
     loaded.append(ranks4.run(C.train, root, strategy="HYBRID_SHARD", steps=2)[0])
+    loaded.append(ranks4.run(C.train, root, strategy="FULL_SHARD", steps=2, tp=2)[0])
     for run in loaded:
         assert (run.start_step, run.data_offset) == (2, saved.data_offset)
         _assert_same_state(run, saved)
