@@ -15,7 +15,7 @@ from torch import fx
 from simplefsdp._compat import aot_autograd, inductor_config, min_cut_rematerialization_partition, register_backend
 from simplefsdp.passes.install import ChainedPass, configured_passes
 
-__all__ = ["BACKEND_NAME"]
+__all__ = ["BACKEND_NAME", "backend"]
 
 BACKEND_NAME = "simplefsdp_aot_eager"
 
@@ -27,7 +27,7 @@ def _run_post_grad_pass(gm: fx.GraphModule, example_inputs) -> fx.GraphModule:
     return gm
 
 
-def _backend(gm: fx.GraphModule, example_inputs):
+def backend(gm: fx.GraphModule, example_inputs):
     compile_graphs = aot_autograd(
         fw_compiler=_run_post_grad_pass,
         bw_compiler=_run_post_grad_pass,
@@ -36,4 +36,4 @@ def _backend(gm: fx.GraphModule, example_inputs):
     return compile_graphs(gm, example_inputs)
 
 
-register_backend(name=BACKEND_NAME, compiler_fn=_backend)
+register_backend(name=BACKEND_NAME, compiler_fn=backend)

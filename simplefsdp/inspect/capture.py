@@ -41,10 +41,10 @@ from torch import fx, nn
 
 from simplefsdp._compat import CustomGraphPass, functorch_config, inductor_config, run_and_get_code, tree_leaves
 from simplefsdp.passes.aot_eager import BACKEND_NAME
-from simplefsdp.passes.aot_eager import _backend as aot_eager_backend
+from simplefsdp.passes.aot_eager import backend as aot_eager_backend
 from simplefsdp.passes.install import ChainedPass, configured_passes, pass_of
 
-__all__ = ["StepCapture", "capture_step", "describe_input", "run_model"]
+__all__ = ["StepCapture", "capture_step", "describe_input", "recording", "run_model"]
 
 logger = logging.getLogger(__name__)
 
@@ -146,7 +146,7 @@ def _meta_backend(gm: fx.GraphModule, example_inputs):
 
 
 @contextlib.contextmanager
-def _recording(model: nn.Module, pre: list[fx.Graph], post: list[fx.Graph]) -> Iterator[None]:
+def recording(model: nn.Module, pre: list[fx.Graph], post: list[fx.Graph]) -> Iterator[None]:
     """Compiles inside run `[snapshot, model's pass, snapshot, passes already configured]`.
 
     The chain holds the model's pass, so the wrapped forward (`passes/install.py`) sees it
@@ -188,7 +188,7 @@ def capture_step(
     def step() -> None:
         loss_fn(run_model(compiled, example_input)).backward()
 
-    with _recording(model, pre, post):
+    with recording(model, pre, post):
         if code:
             _, sources = run_and_get_code(step)
         else:

@@ -26,7 +26,7 @@ from collections.abc import Iterator
 from torch import fx, nn
 
 from simplefsdp.inspect.buckets import is_collective
-from simplefsdp.inspect.capture import _recording
+from simplefsdp.inspect.capture import recording as record_graphs
 from simplefsdp.inspect.schedule import simulate_step
 from simplefsdp.passes import cost
 
@@ -45,7 +45,7 @@ class StepGraphs:
 def recording(model: nn.Module) -> Iterator[StepGraphs]:
     """Compiles of `model` inside the block are recorded (and bypass the compile caches, so they happen)."""
     graphs = StepGraphs(pre=[], post=[])
-    with _recording(model, graphs.pre, graphs.post):
+    with record_graphs(model, graphs.pre, graphs.post):
         yield graphs
 
 
