@@ -45,8 +45,7 @@ _ORIGINAL_ATTR = "_simplefsdp_uncheckpointed_class"
 _aten = torch.ops.aten
 # outputs worth keeping under "selective": the matmuls and attention (compute-bound to recompute)
 _SELECTIVE_SAVE = frozenset(
-    op
-    for op in (
+    (
         _aten.mm.default,
         _aten.addmm.default,
         _aten.bmm.default,

@@ -34,15 +34,16 @@ from torch.distributed.tensor import DTensor, Placement, Shard, distribute_tenso
 
 from simplefsdp._compat import StridedShard, root_mesh
 
-__all__ = ["TensorParallelLayout", "shard_tensor_parallel"]
+__all__ = ["TensorParallelLayout", "check_tensor_parallel", "combined_mesh", "shard_tensor_parallel"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class TensorParallelLayout:
     """Where one TP parameter lives: its TP placement, this rank's TP-local shape, its dp sharding.
 
-    Invariant: `combined_placements == (*dp placements with strided dim 0 where TP shards dim 0 too,
-    *tp_placements)` on `combined_mesh`, whose dims are the dp mesh's followed by the tp mesh's.
+    Invariant: the parameter is a DTensor on the mesh `(*dp_mesh dims, *tp_mesh dims)` with the
+    placements `(*dp_placements, *tp_placements)`, except that a dp `Shard(0)` is strided where TP
+    shards dim 0 too; its local tensor is this rank's dp chunk of a TP-local tensor of `local_shape`.
     """
 
     dp_mesh: DeviceMesh
@@ -50,6 +51,7 @@ class TensorParallelLayout:
     tp_mesh: DeviceMesh
     tp_placements: tuple[Placement, ...]
     local_shape: torch.Size  # this rank's TP-local (dp-unsharded) shape
+    local_stride: tuple[int, ...]  # its contiguous stride
     shape: torch.Size  # the global shape
     stride: tuple[int, ...]  # the global (contiguous) stride
 
@@ -62,7 +64,7 @@ class TensorParallelLayout:
             self.dp_placements,
             run_check=False,
             shape=self.local_shape,
-            stride=_contiguous_stride(self.local_shape),
+            stride=self.local_stride,
         )
 
     def as_tensor_parallel(self, local: torch.Tensor) -> DTensor:
@@ -70,10 +72,6 @@ class TensorParallelLayout:
         return DTensor.from_local(
             local, self.tp_mesh, self.tp_placements, run_check=False, shape=self.shape, stride=self.stride
         )
-
-
-def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
-    return torch.empty(shape, device="meta").stride()
 
 
 def _names(mesh: DeviceMesh, what: str, *, fqn: str) -> tuple[str, ...]:
@@ -129,6 +127,16 @@ def _composed(dp_placements: tuple[Placement, ...], tp: DTensor) -> tuple[Placem
     )
 
 
+def check_tensor_parallel(param: DTensor, *, dp_mesh: DeviceMesh, fqn: str) -> DeviceMesh:
+    """The combined mesh `param` (a TP DTensor) will live on; a `ValueError` naming it if it cannot."""
+    if any(placement.is_partial() for placement in param.placements):
+        raise ValueError(
+            f"parameter {fqn!r} is a Partial DTensor ({param.placements} on {param.device_mesh}); "
+            "expected Shard or Replicate placements from tensor parallelism"
+        )
+    return combined_mesh(dp_mesh, param.device_mesh, fqn=fqn)
+
+
 def shard_tensor_parallel(
     param: DTensor,
     *,
@@ -142,12 +150,7 @@ def shard_tensor_parallel(
     Each rank keeps a chunk of its TP-local tensor, taken from dp rank `src_data_rank`'s values
     (`None`: from its own, without communication); no rank holds more than its TP-local tensor.
     """
-    for placement in param.placements:
-        if placement.is_partial():
-            raise ValueError(
-                f"parameter {fqn!r} is a Partial DTensor on {param.device_mesh}; expected Shard or Replicate"
-            )
-    mesh = combined_mesh(dp_mesh, param.device_mesh, fqn=fqn)
+    mesh = check_tensor_parallel(param, dp_mesh=dp_mesh, fqn=fqn)
     local = param.to_local()
     layout = TensorParallelLayout(
         dp_mesh=dp_mesh,
@@ -155,6 +158,7 @@ def shard_tensor_parallel(
         tp_mesh=param.device_mesh,
         tp_placements=tuple(param.placements),
         local_shape=local.shape,
+        local_stride=torch.empty(local.shape, device="meta").stride(),
         shape=param.shape,
         stride=tuple(param.stride()),
     )

@@ -23,7 +23,7 @@ from simplefsdp.passes import install as passes_install
 from simplefsdp.passes.fsdp_pass import FsdpPass, PassConfig
 from simplefsdp.passes.plan import find_repeated_blocks, validate_patterns
 from simplefsdp.strategy import ShardingStrategy
-from simplefsdp.tensor_parallel import TensorParallelLayout, combined_mesh, shard_tensor_parallel
+from simplefsdp.tensor_parallel import TensorParallelLayout, check_tensor_parallel, shard_tensor_parallel
 from simplefsdp.tied import install_scope
 
 __all__ = ["wrap"]
@@ -162,7 +162,7 @@ def wrap(
     _check_devices(params, mesh)
     for fqn, param in params.items():  # all checked before any is changed: an error leaves the model as it was
         if isinstance(param, DTensor):
-            combined_mesh(mesh, param.device_mesh, fqn=fqn)
+            check_tensor_parallel(param, dp_mesh=mesh, fqn=fqn)
     reshard = strategy.reshard_after_forward if reshard_after_forward is None else reshard_after_forward
 
     sharded: dict[int, nn.Parameter] = {}  # id(original) -> sharded; tied parameters stay one object
