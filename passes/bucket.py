@@ -38,7 +38,6 @@ from torch import fx
 
 import simplefsdp.kernels  # noqa: F401  (registers torch.ops.simplefsdp.*, the copy-in / copy-out ops)
 from simplefsdp._compat import resolve_process_group, stable_topological_sort, tree_leaves
-from simplefsdp.gather import OWNER_KEY
 from simplefsdp.kernels.reference import chunk_numel
 from simplefsdp.passes.collectives import is_cast_or_pad, search
 from simplefsdp.passes.detect import FsdpAllGather, FsdpReduction
@@ -148,11 +147,6 @@ def _unpack(graph: fx.Graph, pieces: fx.Node, members: list[Member]) -> list[fx.
     ]
 
 
-def _tag(collective: fx.Node, members: Sequence[FsdpAllGather | FsdpReduction]) -> None:
-    """Name the parameters a merged collective serves, comma-separated, as the gather names one (`OWNER_KEY`)."""
-    collective.meta.setdefault("custom", {})[OWNER_KEY] = ",".join(m.owner for m in members)
-
-
 def _erase_dead(graph: fx.Graph, nodes: list[fx.Node]) -> None:
     for node in nodes:  # each chain runs from the collective back to its source
         if not node.users:
@@ -177,7 +171,6 @@ def _merge_all_gathers(graph: fx.Graph, members: list[FsdpAllGather]) -> tuple[l
         buffer = _call(graph, simplefsdp_ops.all_gather_copy_in.default, shards, chunks, dtype, world, rank)
         slot = _call(graph, aten.narrow.default, buffer, 0, rank * sum(chunks), sum(chunks))
         gathered = _call(graph, c10d.all_gather_into_tensor_out.default, slot, world, group, out=buffer)
-        _tag(gathered, members)
         waited = _call(graph, c10d.wait_tensor.default, gathered)
         numels = [world * c for c in chunks]  # the padded full tensors; the graph strips padding after
         pieces = _call(graph, simplefsdp_ops.all_gather_copy_out.default, waited, chunks, numels, world)
@@ -203,7 +196,6 @@ def _merge_reductions(graph: fx.Graph, members: list[FsdpReduction]) -> tuple[li
             reduced = _call(graph, c10d.reduce_scatter_tensor.default, flat, op, world, group)
         else:
             reduced = _call(graph, c10d.all_reduce.default, flat, op, group)
-        _tag(reduced, members)
         chunks = [math.prod(_shape(x)) // (world if scatter else 1) for x in sent]
         waited = _call(graph, c10d.wait_tensor.default, reduced)
         # each shard is a contiguous run of the reduced slot, in the same dtype: views, no copy-out
