@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import statistics
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -26,6 +27,7 @@ __all__ = [
     "count_code_launches",
     "interleaved_times",
     "model_args",
+    "paired_speedup",
     "spawn",
 ]
 
@@ -83,6 +85,17 @@ def interleaved_times(steps: Mapping[str, Callable[[], None]], *, warmup: int, t
             if i >= warmup:
                 times[name].append(time.perf_counter() - start)
     return times
+
+
+def paired_speedup(baseline: list[float], times: list[float]) -> tuple[float, float, float]:
+    """Median and quartiles of `baseline[i] / times[i]` over the timed steps (> 1: faster than baseline).
+
+    With interleaved timing, step i of every configuration ran back to back, so the per-step ratio
+    cancels most of the load drift that moves the medians of a shared machine from run to run.
+    """
+    ratios = sorted(b / t for b, t in zip(baseline, times, strict=True))
+    q1, median, q3 = statistics.quantiles(ratios, n=4, method="inclusive")
+    return median, q1, q3
 
 
 def _rank(rank: int, world: int, port: int, backend: str, worker: Callable, args: Any, results: dict) -> None:

@@ -10,7 +10,9 @@ Configurations, all FULL_SHARD under `torch.compile(model)` (inductor):
                         (`bucket_all_gathers_fx="only_fsdp"`, `bucket_reduce_scatters_fx="all"`)
                         and `reorder_for_compute_comm_overlap=True`
 Step time is the median over the timed steps (after warm-up) of rank 0's forward + backward +
-optimizer step, the configurations' steps interleaved; collectives per step are counted in
+optimizer step, the configurations' steps interleaved; "vs (c), paired" is the median (and
+quartiles) over the timed steps of (c)'s step time over this configuration's in the same round,
+which cancels most load drift (`_harness.paired_speedup`); collectives per step are counted in
 inductor's generated code of the compiled forward and backward. Targets: (b) faster than (a),
 and not slower than (c). The machine is shared: compare ratios within one run, not absolute
 times across runs.
@@ -31,6 +33,7 @@ from _harness import (
     count_code_launches,
     interleaved_times,
     model_args,
+    paired_speedup,
     spawn,
 )
 
@@ -38,14 +41,15 @@ import simplefsdp
 from simplefsdp._compat import functorch_config, inductor_config, run_and_get_code
 from simplefsdp.models import Transformer
 
+NO_PASSES, TORCH_BUILTIN = "(a) no passes", "(c) torch built-in bucketing + reorder"
 CONFIGS = {
-    "(a) no passes": ({"passes": None}, {}),
+    NO_PASSES: ({"passes": None}, {}),
     "(b) simplefsdp passes, default plan": ({}, {}),
     "(b') simplefsdp passes, auto plan (cpu-gloo)": (
         {"passes": simplefsdp.PassConfig(bucket=simplefsdp.BucketConfig(plan="auto", device="cpu-gloo"))},
         {},
     ),
-    "(c) torch built-in bucketing + reorder": ({"passes": None}, TORCH_BUILTIN_OPTIONS),
+    TORCH_BUILTIN: ({"passes": None}, TORCH_BUILTIN_OPTIONS),
 }
 
 
@@ -78,7 +82,7 @@ def _worker(rank: int, args: argparse.Namespace, results: dict) -> None:
             print(f"  compiled {name}: {collectives[name]} collectives/step", flush=True)
     times = interleaved_times(steps, warmup=args.warmup, timed=args.steps)  # see [Note: interleaved timing]
     if rank == 0:
-        results.update({name: (statistics.median(times[name]), collectives[name]) for name in CONFIGS})
+        results.update({name: (times[name], collectives[name]) for name in CONFIGS})
 
 
 def main() -> None:
@@ -87,11 +91,14 @@ def main() -> None:
     args = parser.parse_args()
     print(f"2 gloo ranks, FULL_SHARD fp32, {args.layers} blocks, dim {args.dim}, batch {args.batch}x{args.seq}")
     results = spawn(_worker, args, world=2, port=args.port)
-    base = results["(a) no passes"][0]
-    print("\n| configuration | step time (median) | vs (a) | collectives / step |")
-    print("|---|---|---|---|")
-    for name, (seconds, collectives) in results.items():
-        print(f"| {name} | {seconds * 1e3:.1f} ms | {base / seconds:.2f}x | {collectives} |")
+    no_passes, builtin = results[NO_PASSES][0], results[TORCH_BUILTIN][0]
+    print("\n| configuration | step time (median) | vs (a) | vs (c), paired [quartiles] | collectives / step |")
+    print("|---|---|---|---|---|")
+    for name, (times, collectives) in results.items():
+        median = statistics.median(times)
+        speedup = statistics.median(no_passes) / median
+        paired = "{:.3f}x [{:.3f}, {:.3f}]".format(*paired_speedup(builtin, times))
+        print(f"| {name} | {median * 1e3:.1f} ms | {speedup:.2f}x | {paired} | {collectives} |")
 
 
 if __name__ == "__main__":
