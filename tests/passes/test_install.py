@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from torch import fx
 
 from simplefsdp._compat import CustomGraphPass, CustomInferenceAwareGraphPass
@@ -76,3 +78,25 @@ def test_models_of_one_class_with_different_passes_compile_apart(fake_world8):
     torch.compile(ours, backend="simplefsdp_aot_eager")(tokens).sum().backward()
     assert pass_of(ours).graphs == 2, "the second model compiled its own forward and backward, with its pass"
     assert pass_of(ours).merged > 0
+
+
+def test_pass_cache_key_is_its_configuration():
+    """The `uuid()` that keys inductor's caches depends on the configuration and groups only: equal in
+    another process (no ids, no hash seeds), different when the pass would do something else."""
+    import subprocess
+    import sys
+
+    from simplefsdp.passes.fsdp_pass import BucketConfig, PassConfig
+
+    config = PassConfig(bucket=BucketConfig(blocks=("layers",)))
+    key = FsdpPass(config, groups=[(0, 1), (2, 3)]).uuid()
+    script = (
+        "from simplefsdp.passes.fsdp_pass import BucketConfig, FsdpPass, PassConfig;"
+        "print(FsdpPass(PassConfig(bucket=BucketConfig(blocks=('layers',))), groups=[(2, 3), (0, 1)]).uuid())"
+    )
+    other_process = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
+    assert other_process.stdout.strip() == key
+    assert FsdpPass(config, groups=[(0, 1)]).uuid() != key
+    groups = [(0, 1), (2, 3)]
+    assert FsdpPass(dataclasses.replace(config, reorder=None), groups=groups).uuid() != key
+    assert FsdpPass(PassConfig(), groups=groups).uuid() != key
