@@ -176,6 +176,27 @@ def _reductions_overlap(events: list[tuple[str, str]], reduce_names: list[str], 
     assert len(overlapping) >= L8.n_layers - 1, f"{where}: only {overlapping} of {reduce_names} overlap compute"
 
 
+def _assert_reductions_launch_on_their_last_gradient(graph: fx.Graph) -> None:
+    """Between the last op producing a bucket's gradients and its reduce-scatter's launch there is only
+    that launch's own chain: the copy-in, and views feeding it."""
+    for launch in filter(is_reduce_scatter, graph.nodes):
+        chain, stack = set(), [launch.args[0]]
+        while stack:
+            node = stack.pop()
+            if node.op == "call_function" and (
+                node.target is torch.ops.simplefsdp.reduce_scatter_copy_in.default or node.target.is_view
+            ):
+                chain.add(node)
+                stack.extend(node.all_input_nodes)
+        gradients = {i for node in chain for i in node.all_input_nodes} - chain
+        between, node = [], max(gradients).next
+        while node is not launch:
+            between.append(node)
+            node = node.next
+        unrelated = [n.name for n in between if n not in chain]
+        assert not unrelated, f"{launch.name} launches after unrelated ops {unrelated}"
+
+
 def test_order_in_fx_graphs(step):
     user_pass, _, _ = step
     forward, backward = user_pass.graphs
@@ -184,6 +205,7 @@ def test_order_in_fx_graphs(step):
     _assert_prefetch_depth_1([e for e in bwd if e[0] == "mm" or _is_gather_event(backward, e)], "backward FX")
     reductions = [n.name for n in backward.nodes if is_reduce_scatter(n)]
     _reductions_overlap(bwd, reductions, "backward FX")
+    _assert_reductions_launch_on_their_last_gradient(backward)
 
 
 def _is_gather_event(graph: fx.Graph, event: tuple[str, str]) -> bool:
