@@ -5,7 +5,9 @@
 
 `factor` is 1 for all-gather / reduce-scatter (ring, `bytes` the full gathered / reduced
 buffer) and 2 for all-reduce. FLOPs come from `torch.utils.flop_counter`'s formulas (matmuls,
-convolutions, attention); every other op is memory bound. Only the node's traced metadata is
+convolutions, attention); every other op is memory bound, except those that move no data: views,
+`getitem` (it picks one output of a multi-output op), a reshape of a contiguous tensor (a view),
+and collectives (costed separately). Only the node's traced metadata is
 read, so a graph costs the same on every rank and every run: the `auto` bucket plan and the
 inspection tools can rely on it. The profiles hold public datasheet numbers with NCCL-like
 achievable bus bandwidth; they rank plans, they do not predict wall time to the microsecond.
@@ -14,6 +16,7 @@ achievable bus bandwidth; they rank plans, they do not predict wall time to the 
 from __future__ import annotations
 
 import dataclasses
+import operator
 
 import torch
 from torch import fx
@@ -68,13 +71,26 @@ def _tensor_bytes(value: object) -> int:
     return sum(t.numel() * t.dtype.itemsize for t in tree_leaves(value) if isinstance(t, torch.Tensor))
 
 
+_RESHAPES = {torch.ops.aten.reshape.default, torch.ops.aten._unsafe_view.default}
+
+
+def _moves_no_data(node: fx.Node) -> bool:
+    target = node.target
+    if target in _RESHAPES:  # checked first: reshape's schema declares an alias, but it copies when it must
+        source = node.args[0].meta.get("val") if isinstance(node.args[0], fx.Node) else None
+        return isinstance(source, torch.Tensor) and source.is_contiguous()
+    return (
+        target is operator.getitem
+        or getattr(target, "is_view", False)
+        or getattr(target, "namespace", "") == "_c10d_functional"
+    )
+
+
 def node_seconds(device: DeviceProfile, node: fx.Node) -> float:
-    """Roofline seconds of one compute node (0 for placeholders, outputs, views and collectives)."""
-    if node.op != "call_function" or "val" not in node.meta:
+    """Roofline seconds of one compute node (0 for placeholders, outputs and what moves no data)."""
+    if node.op != "call_function" or "val" not in node.meta or _moves_no_data(node):
         return 0.0
     target = node.target
-    if getattr(target, "is_view", False) or getattr(target, "namespace", "") == "_c10d_functional":
-        return 0.0
     args = fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta.get("val"))
     flops = 0
     formula = flop_registry.get(getattr(target, "overloadpacket", None))

@@ -21,7 +21,6 @@ the same on every rank and every run.
 from __future__ import annotations
 
 import dataclasses
-import operator
 import re
 
 import torch
@@ -39,7 +38,6 @@ __all__ = [
     "ComputeSpan",
     "PhaseSchedule",
     "StepSchedule",
-    "compute_seconds",
     "module_path",
     "simulate",
     "simulate_step",
@@ -48,15 +46,6 @@ __all__ = [
 # bytes read + written per fp32 sharded element by one optimizer step: SGD reads the grad and
 # reads / writes the param; AdamW also reads / writes two moments
 OPTIMIZER_BYTES_PER_ELEMENT = {"adamw": 4 + 8 + 16, "sgd": 4 + 8, "none": 0}
-
-_RESHAPES = {torch.ops.aten.reshape.default, torch.ops.aten._unsafe_view.default, operator.getitem}
-
-
-def compute_seconds(device: cost.DeviceProfile, node: fx.Node) -> float:
-    """`cost.node_seconds`, except that reshapes (views when contiguous, as in these graphs) and
-    `getitem` (which picks one output of a multi-output op) are free."""
-    return 0.0 if node.target in _RESHAPES else cost.node_seconds(device, node)
-
 
 _STACK_PART = re.compile(r"\[['\"]?([^'\"\]]+)['\"]?\]")
 
@@ -216,7 +205,7 @@ def simulate(
             clock += stall
             done.append(launch)
         else:
-            seconds = compute_seconds(device, node)
+            seconds = cost.node_seconds(device, node)
             if seconds <= 0:
                 continue
             label = _group(node, list(blocks))

@@ -12,7 +12,6 @@ from torch import nn
 
 import simplefsdp
 from simplefsdp.inspect.dryrun import dry_run
-from simplefsdp.inspect.schedule import compute_seconds
 from simplefsdp.inspect.shapes import SHAPES, model_shape
 from simplefsdp.passes import cost
 
@@ -47,7 +46,7 @@ def test_schedule_accounts_for_every_second(small_w64):
     schedule, device = report.schedule, report.schedule.device
     for phase in (schedule.forward, schedule.backward):
         graph = getattr(report.capture, phase.phase)
-        compute = sum(compute_seconds(device, node) for node in graph.nodes)
+        compute = sum(cost.node_seconds(device, node) for node in graph.nodes)
         assert phase.end_s - phase.start_s == pytest.approx(compute + phase.exposed_s, rel=1e-9)
         for event in phase.comm:
             expected = cost.collective_seconds(device, kind=event.collective, nbytes=event.nbytes, world=64)

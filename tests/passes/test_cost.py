@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import operator
+
 import pytest
 import torch
 from torch import fx
@@ -46,6 +48,27 @@ def test_matmul_is_compute_bound_and_pointwise_memory_bound():
     assert cost.node_seconds(H100, add) == pytest.approx(3 * 4096**2 * 4 / H100.memory_bytes_per_s)
     view = _node(torch.ops.aten.t.default, (4096, 4096))
     assert cost.node_seconds(H100, view) == 0.0
+
+
+def test_reshape_is_free_only_when_it_is_a_view():
+    """A reshape of a contiguous tensor is a view (free); of a transposed one, a copy (memory bound);
+    `getitem` picks one output of a multi-output op and moves nothing."""
+    aten = torch.ops.aten
+    with FakeTensorMode() as mode:
+        contiguous = mode.from_tensor(torch.empty(64, 32))
+        transposed = mode.from_tensor(torch.empty(32, 64)).t()
+        flat, pieces = aten.reshape.default(contiguous, [-1]), aten.split.Tensor(contiguous, 32)
+    graph = fx.Graph()
+    x = graph.placeholder("x")
+    reshape = graph.call_function(aten.reshape.default, (x, [-1]))
+    split = graph.call_function(aten.split.Tensor, (x, 32))
+    pick = graph.call_function(operator.getitem, (split, 0))
+    x.meta["val"], reshape.meta["val"], split.meta["val"], pick.meta["val"] = contiguous, flat, pieces, pieces[0]
+    assert cost.node_seconds(H100, reshape) == 0.0
+    assert cost.node_seconds(H100, pick) == 0.0
+    assert cost.node_seconds(H100, split) == 0.0, "split returns views"
+    x.meta["val"] = transposed
+    assert cost.node_seconds(H100, reshape) == pytest.approx(2 * 64 * 32 * 4 / H100.memory_bytes_per_s)
 
 
 def test_unknown_profile_is_named():
