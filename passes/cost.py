@@ -7,10 +7,22 @@
 buffer) and 2 for all-reduce. FLOPs come from `torch.utils.flop_counter`'s formulas (matmuls,
 convolutions, attention); every other op is memory bound, except those that move no data: views,
 `getitem` (it picks one output of a multi-output op), a reshape of a contiguous tensor (a view),
-and collectives (costed separately). Only the node's traced metadata is
-read, so a graph costs the same on every rank and every run: the `auto` bucket plan and the
-inspection tools can rely on it. The profiles hold public datasheet numbers with NCCL-like
-achievable bus bandwidth; they rank plans, they do not predict wall time to the microsecond.
+and collectives (costed separately). Only the node's traced metadata is read, so a graph costs
+the same in every run: the `auto` bucket plan and the inspection tools rely on it. The profiles
+rank plans; they do not predict wall time to the microsecond.
+
+[Note: where the profiles' numbers come from]
+- compute and memory: dense BF16 peak and HBM bandwidth from NVIDIA's datasheets -- H100 SXM5
+  989 TFLOP/s and 3.35 TB/s; H200 the same compute and 4.8 TB/s; A100 SXM4 80GB 312 TFLOP/s and
+  2.0 TB/s;
+- bus bandwidth: about 360 GB/s (H100 / H200) and 230 GB/s (A100), the all-gather / reduce-scatter
+  bus bandwidth nccl-tests reports for 8 GPUs within an NVLink node (NVLink 4: 450 GB/s per
+  direction, NVLink 3: 300 GB/s); 15 us per collective. Across nodes (InfiniBand at 400 Gb/s,
+  50 GB/s per GPU) a ring runs slower, so at world sizes beyond 8 these are optimistic;
+- "cpu-gloo": order-of-magnitude numbers for two processes on one small host over gloo's TCP
+  loopback (100 us per collective, 2 GB/s, 50 GFLOP/s matmuls, 10 GB/s memory traffic), enough to
+  rank bucket plans there; `bench/inspect_validate.py` measures a calibrated profile of the
+  machine at hand for predictions.
 """
 
 from __future__ import annotations

@@ -21,15 +21,8 @@ a full trace of 8 blocks, step time and exposed time agree to 1e-6; the memory p
 over time rather than a sum, to 0.6%. Persistent memory (parameters, gradients, optimizer state) is computed from the
 full-depth model, not extrapolated. Results say which blocks were traced (`traced_blocks`).
 
-Device profiles: `passes/cost.py` holds the numbers; where they come from --
-- H100 SXM5: 989 TFLOP/s dense BF16, 3.35 TB/s HBM3 (NVIDIA H100 datasheet); H200: same compute,
-  4.8 TB/s HBM3e (NVIDIA H200 datasheet); A100 SXM4 80GB: 312 TFLOP/s BF16, 2.0 TB/s (A100 datasheet);
-- bus bandwidth: about 360 GB/s (H100/H200) and 230 GB/s (A100) all-gather / reduce-scatter bus
-  bandwidth within an NVLink node, the range nccl-tests reports for 8 GPUs (NVLink 4 is 900 GB/s
-  bidirectional, 450 GB/s per direction; NVLink 3 600 / 300 GB/s), 15 us latency per collective;
-  across nodes (InfiniBand, 400 Gb/s = 50 GB/s per GPU) a ring runs slower: these profiles are
-  within-node numbers and so optimistic at world sizes beyond 8. A calibrated profile
-  (`calibrate.py`) can be passed as a `DeviceProfile` instead of a name.
+Device profiles: `passes/cost.py` holds the numbers and their sources; any `DeviceProfile` (e.g.
+one measured on the machine, as `bench/inspect_validate.py` does) can be passed instead of a name.
 """
 
 from __future__ import annotations
