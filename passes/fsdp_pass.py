@@ -12,6 +12,7 @@ import logging
 from collections.abc import Collection
 from typing import Literal
 
+import torch.distributed as dist
 from torch import fx
 
 from simplefsdp._compat import CustomGraphPass
@@ -132,8 +133,20 @@ class FsdpPass(CustomGraphPass):
             logger.info("simplefsdp pass: merged away %d collectives, moved %d launches / waits", merged, moved)
 
     def uuid(self) -> str:
+        # [Note: the rank is part of the cache key]
+        # Inductor keys its FX graph cache on the graph *before* post-grad passes, plus this uuid.
+        # The pass writes this rank's slot offset into the graph (the bucket copy-in and the view
+        # the in-place all-gather sends), so two ranks whose incoming graphs are identical (even
+        # shards, one group) would otherwise share a cache entry: on a warm cache shared by the
+        # ranks of a host, rank 1 would run rank 0's code and send a buffer that overlaps the
+        # wrong slot of the output. The global rank separates them; everything else in the key is
+        # what the pass does. (On torch 2.13 these graphs' FX cache key already differs between
+        # two processes of the same rank -- seen: a second identical compile misses -- so today
+        # AOTAutograd's per-rank key is what is reused; this keeps the ranks apart if that changes.)
         groups = sorted(self.groups) if self.groups is not None else None
-        return hashlib.sha256(f"simplefsdp-pass-{_VERSION}-{self.config}-{groups}".encode()).hexdigest()
+        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else None
+        key = f"simplefsdp-pass-{_VERSION}-{self.config}-{groups}-rank{rank}"
+        return hashlib.sha256(key.encode()).hexdigest()
 
 
 def _bucket(graph: fx.Graph, config: BucketConfig, groups: frozenset[tuple[int, ...]] | None) -> int:

@@ -11,8 +11,9 @@ already tracing, Dynamo traces straight through it (no graph break). The backwar
 (`force_non_lazy_backward_lowering`), inside the patch, instead of lazily at `.backward()`.
 Consequences:
 - unrelated compiles never see the pass: the config is restored when the call returns;
-- the compile caches stay correct: the pass's `uuid()` (from its config) is part of the key,
-  and the pass's decisions depend only on the graph, which is keyed already;
+- the compile caches stay correct: the pass's `uuid()` (its config, groups and this process's
+  rank, see [Note: the rank is part of the cache key]) is part of the key, and its decisions
+  depend only on the graph, which is keyed already;
 - a pass the user set globally or with `config.patch` runs too, after ours, on the graph ours
   produced (`ChainedPass`); a pass passed as `torch.compile(..., options=...)` is applied by
   inductor *inside* our patch and replaces ours -- chain it yourself (`ChainedPass`) or set it

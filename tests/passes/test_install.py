@@ -81,22 +81,26 @@ def test_models_of_one_class_with_different_passes_compile_apart(fake_world8):
 
 
 def test_pass_cache_key_is_its_configuration():
-    """The `uuid()` that keys inductor's caches depends on the configuration and groups only: equal in
-    another process (no ids, no hash seeds), different when the pass would do something else."""
+    """The `uuid()` that keys inductor's caches depends on the configuration, groups and rank only:
+    equal in two fresh processes (no ids, no hash seeds), different when the pass would do something
+    else (the rank's part is tested in test_rank_independence.py)."""
     import subprocess
     import sys
 
     from simplefsdp.passes.fsdp_pass import BucketConfig, PassConfig
 
-    config = PassConfig(bucket=BucketConfig(blocks=("layers",)))
-    key = FsdpPass(config, groups=[(0, 1), (2, 3)]).uuid()
     script = (
         "from simplefsdp.passes.fsdp_pass import BucketConfig, FsdpPass, PassConfig;"
         "print(FsdpPass(PassConfig(bucket=BucketConfig(blocks=('layers',))), groups=[(2, 3), (0, 1)]).uuid())"
     )
-    other_process = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
-    assert other_process.stdout.strip() == key
+    runs = [
+        subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True) for _ in range(2)
+    ]
+    assert runs[0].stdout.strip()
+    assert runs[0].stdout == runs[1].stdout
+    config, groups = PassConfig(bucket=BucketConfig(blocks=("layers",))), [(0, 1), (2, 3)]
+    key = FsdpPass(config, groups=groups).uuid()  # this process may hold a process group: compare here
+    assert FsdpPass(config, groups=groups[::-1]).uuid() == key, "groups are a set"
     assert FsdpPass(config, groups=[(0, 1)]).uuid() != key
-    groups = [(0, 1), (2, 3)]
     assert FsdpPass(dataclasses.replace(config, reorder=None), groups=groups).uuid() != key
     assert FsdpPass(PassConfig(), groups=groups).uuid() != key

@@ -51,9 +51,10 @@ def _input_shapes(graph: fx.Graph) -> list[tuple[int, ...]]:
     return [tuple(n.meta["val"].shape) for n in graph.find_nodes(op="placeholder")]
 
 
-def _as_rank(rank: int, strategy: str) -> tuple[list, list[list[tuple]], int, int]:
+def _as_rank(rank: int, strategy: str) -> tuple[list, list[list[tuple]], int, int, str]:
     """In a fresh process (torch caches DTensor specs, process-group names included, across
-    re-initialisations): this rank's forward input shapes, collective sequences, merged, moved."""
+    re-initialisations): this rank's forward input shapes, collective sequences, merged, moved and
+    the pass's cache key."""
     dist.init_process_group("fake", store=fake_store(), rank=rank, world_size=WORLD)
     try:
         parsed = simplefsdp.ShardingStrategy.parse(strategy)
@@ -63,7 +64,8 @@ def _as_rank(rank: int, strategy: str) -> tuple[list, list[list[tuple]], int, in
         graph_pass = FsdpPass(PassConfig(bucket=BucketConfig(blocks=tuple(find_repeated_blocks(model)))))
         tokens = torch.randint(0, ARGS.vocab_size, (2, 8))
         graphs = capture_post_grad(model, lambda compiled: compiled(tokens).sum(), before=graph_pass)
-        return _input_shapes(graphs[0]), [_sequence(g) for g in graphs], graph_pass.merged, graph_pass.moved
+        sequences = [_sequence(g) for g in graphs]
+        return _input_shapes(graphs[0]), sequences, graph_pass.merged, graph_pass.moved, graph_pass.uuid()
     finally:
         dist.destroy_process_group()
 
@@ -75,6 +77,7 @@ def test_first_and_last_rank_issue_the_same_collectives(strategy):
     assert first[0] != last[0], "the two ranks hold different shard shapes (the case this test is for)"
     assert first[2] > 0, "the pass bucketed"
     assert first[3] > 0, "the pass reordered"
+    assert first[4] != last[4], "the graphs hold each rank's slot offset: [Note: the rank is part of the cache key]"
     for kind, seq_first, seq_last in zip(("forward", "backward"), first[1], last[1], strict=True):
         assert len(seq_first) > 4, f"{kind}: the graph has collectives"
         assert seq_first == seq_last, f"{kind}: rank 0 and rank {WORLD - 1} issue different collectives"
