@@ -35,8 +35,9 @@ from torch import fx
 from torch.utils.flop_counter import flop_registry
 
 from simplefsdp._compat import tree_leaves
+from simplefsdp.passes.collectives import is_cast_or_pad, is_reduce_scatter, is_wait, passes_value_through
 
-__all__ = ["PROFILES", "DeviceProfile", "collective_seconds", "node_seconds", "profile"]
+__all__ = ["PROFILES", "DeviceProfile", "collective_seconds", "compute_between", "node_seconds", "profile"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -110,3 +111,42 @@ def node_seconds(device: DeviceProfile, node: fx.Node) -> float:
         flops = formula(*args[0], **args[1], out_val=node.meta["val"])
     moved = _tensor_bytes(args) + _tensor_bytes(node.meta["val"])
     return max(flops / device.flops_per_s, moved / device.memory_bytes_per_s)
+
+
+def _sized_by_this_rank(graph: fx.Graph) -> set[fx.Node]:
+    """Nodes whose tensors may have rank-dependent sizes (a smaller shard of an unevenly sharded
+    parameter): data movement from graph inputs -- a shard's casts, pads and bucket copy-in on its
+    way to an all-gather -- and everything downstream of a reduce-scatter's wait (this rank's
+    gradient shard). Every other tensor -- gathered parameters, activations, full gradients -- has
+    the same size on every rank."""
+    prep, scattered = set(), set()
+    for node in graph.nodes:  # graph order: a node's inputs come before it
+        if node.op != "call_function":
+            continue
+        inputs = node.all_input_nodes
+        moves_data = (passes_value_through(node) or is_cast_or_pad(node)) and not is_wait(node)
+        if moves_data and inputs and all(i.op == "placeholder" or i in prep for i in inputs):
+            prep.add(node)
+        if any(i in scattered or (is_wait(i) and is_reduce_scatter(i.args[0])) for i in inputs):
+            scattered.add(node)
+    return prep | scattered
+
+
+def compute_between(device: DeviceProfile, graph: fx.Graph, marks: list[fx.Node]) -> list[float]:
+    """Roofline seconds of the compute before, between and after `marks` (collectives, in graph
+    order): `len(marks) + 1` stretches.
+
+    Invariant: equal on every rank for the same program. Nodes sized by this rank's shards are
+    left out: their cost differs by a few rows between ranks, and a plan built on these numbers
+    (`plan_by_cost`) would otherwise pick different buckets on different ranks near a tie -- a hang.
+    """
+    skip, at = _sized_by_this_rank(graph), set(marks)
+    windows, current = [], 0.0
+    for node in graph.nodes:
+        if node in at:
+            windows.append(current)
+            current = 0.0
+        elif node not in skip:
+            current += node_seconds(device, node)
+    windows.append(current)
+    return windows

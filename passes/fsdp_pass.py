@@ -183,14 +183,5 @@ def _compute_windows(graph: fx.Graph, collectives: list[fx.Node], config: Bucket
     the stretch up to the next one (`after`) or since the previous one. Zeros unless the plan is auto."""
     if config.plan != "auto" or not collectives:
         return [0.0] * len(collectives)
-    device = cost.profile(config.device)
-    marks = set(collectives)
-    windows, current = [], 0.0
-    for node in graph.nodes:
-        if node in marks:
-            windows.append(current)
-            current = 0.0
-        else:
-            current += cost.node_seconds(device, node)
-    windows.append(current)  # windows[i]: before collective i; windows[-1]: after the last
+    windows = cost.compute_between(cost.profile(config.device), graph, collectives)
     return windows[1:] if after else windows[:-1]

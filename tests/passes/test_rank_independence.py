@@ -1,15 +1,17 @@
 """Every rank issues the same collectives in the same order after the pass (a mismatch is a hang).
 
-Two processes play rank 0 and the last rank of a fake world of 8 (FULL_SHARD over 8, or HYBRID_SHARD
-over 2 x 4). The vocabulary (67 rows) shards unevenly: over 8, ranks 0-6 hold 9 rows of the embedding
-and the output head and rank 7 holds 4, padded to 9 before gathering; so the ranks' graphs differ
+Two processes play rank 0 and the last rank of a fake world. The vocabulary (67 rows) shards
+unevenly: over 8 ranks, ranks 0-6 hold 9 rows of the embedding and the output head and rank 7
+holds 4, padded to 9 before gathering; over 64, ranks 34-63 hold none. So the ranks' graphs differ
 before the pass. After it, the sequence of launches and waits must be identical: kind, group
 (numbered by first appearance, since a rank's own subgroups have their own names), dtype, size, and
-which launch each wait completes.
+which launch each wait completes. For the cost-model plan, the compute seconds it plans with must
+be identical too: a near-tie decided differently on two ranks would bucket differently.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import multiprocessing
 from concurrent.futures import ProcessPoolExecutor
 
@@ -20,15 +22,36 @@ from torch import fx
 from torch.distributed.device_mesh import init_device_mesh
 
 import simplefsdp
-from simplefsdp._compat import fake_store
+from simplefsdp._compat import CustomGraphPass, fake_store
 from simplefsdp.models import Transformer, TransformerArgs
+from simplefsdp.passes import cost
 from simplefsdp.passes.collectives import is_all_gather, is_all_reduce, is_reduce_scatter, is_wait
+from simplefsdp.passes.detect import find_fsdp_all_gathers, find_fsdp_reductions
 from simplefsdp.passes.fsdp_pass import BucketConfig, FsdpPass, PassConfig
 from simplefsdp.passes.plan import find_repeated_blocks
 from tests._graphs import capture_post_grad
 
 ARGS = TransformerArgs(vocab_size=67, dim=32, n_layers=3, n_heads=4, ffn_dim=88, max_seq_len=16)
-WORLD = 8
+WIDE = dataclasses.replace(ARGS, dim=64, ffn_dim=128)  # world 64: only the vocabulary uneven (compiles fast)
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    world: int
+    strategy: str
+    plan: str  # "blocks" (the default) or "auto"
+
+    @property
+    def args(self) -> TransformerArgs:
+        return ARGS if self.world < 64 else WIDE
+
+
+CASES = [
+    Case(8, "FULL_SHARD", "blocks"),
+    Case(8, "HYBRID_SHARD", "blocks"),
+    Case(8, "FULL_SHARD", "auto"),
+    Case(64, "FULL_SHARD", "blocks"),  # the last rank holds no vocabulary rows at all
+]
 
 
 def _sequence(graph: fx.Graph) -> list[tuple]:
@@ -51,33 +74,74 @@ def _input_shapes(graph: fx.Graph) -> list[tuple[int, ...]]:
     return [tuple(n.meta["val"].shape) for n in graph.find_nodes(op="placeholder")]
 
 
-def _as_rank(rank: int, strategy: str) -> tuple[list, list[list[tuple]], int, int, str]:
+class _WindowsThen(CustomGraphPass):
+    """Records the cost model's compute windows around the FSDP collectives of each incoming graph
+    (what the auto plan decides with), then runs `graph_pass`."""
+
+    def __init__(self, graph_pass: FsdpPass) -> None:
+        self.graph_pass, self.windows = graph_pass, []
+
+    def __call__(self, graph: fx.Graph) -> None:
+        device = cost.profile("h100")
+        for found in (find_fsdp_all_gathers(graph), find_fsdp_reductions(graph)):
+            if found:
+                self.windows.append(cost.compute_between(device, graph, [c.collective for c in found]))
+        self.graph_pass(graph)
+
+    def uuid(self) -> str:
+        return self.graph_pass.uuid()
+
+
+@dataclasses.dataclass
+class RankResult:
+    input_shapes: list[tuple[int, ...]]
+    sequences: list[list[tuple]]
+    windows: list[list[float]]
+    merged: int
+    moved: int
+    cache_key: str
+
+
+def _as_rank(rank: int, case: Case) -> RankResult:
     """In a fresh process (torch caches DTensor specs, process-group names included, across
-    re-initialisations): this rank's forward input shapes, collective sequences, merged, moved and
-    the pass's cache key."""
-    dist.init_process_group("fake", store=fake_store(), rank=rank, world_size=WORLD)
+    re-initialisations): what rank `rank` of `case` traces and the pass makes of it."""
+    dist.init_process_group("fake", store=fake_store(), rank=rank, world_size=case.world)
     try:
-        parsed = simplefsdp.ShardingStrategy.parse(strategy)
-        mesh = init_device_mesh("cpu", (2, 4) if parsed.is_hybrid else (WORLD,))
+        parsed = simplefsdp.ShardingStrategy.parse(case.strategy)
+        mesh = init_device_mesh("cpu", (2, case.world // 2) if parsed.is_hybrid else (case.world,))
         torch.manual_seed(0)
-        model = simplefsdp.wrap(Transformer(ARGS), mesh, strategy=parsed, passes=None)
-        graph_pass = FsdpPass(PassConfig(bucket=BucketConfig(blocks=tuple(find_repeated_blocks(model)))))
-        tokens = torch.randint(0, ARGS.vocab_size, (2, 8))
-        graphs = capture_post_grad(model, lambda compiled: compiled(tokens).sum(), before=graph_pass)
-        sequences = [_sequence(g) for g in graphs]
-        return _input_shapes(graphs[0]), sequences, graph_pass.merged, graph_pass.moved, graph_pass.uuid()
+        model = simplefsdp.wrap(Transformer(case.args), mesh, strategy=parsed, passes=None)
+        blocks = tuple(find_repeated_blocks(model))
+        bucket = BucketConfig(blocks=blocks) if case.plan == "blocks" else BucketConfig(plan="auto", device="h100")
+        recorder = _WindowsThen(FsdpPass(PassConfig(bucket=bucket)))
+        tokens = torch.randint(0, case.args.vocab_size, (2, 8))
+        graphs = capture_post_grad(model, lambda compiled: compiled(tokens).sum(), before=recorder)
+        graph_pass = recorder.graph_pass
+        return RankResult(
+            input_shapes=_input_shapes(graphs[0]),
+            sequences=[_sequence(g) for g in graphs],
+            windows=recorder.windows,
+            merged=graph_pass.merged,
+            moved=graph_pass.moved,
+            cache_key=graph_pass.uuid(),
+        )
     finally:
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("strategy", ["FULL_SHARD", "HYBRID_SHARD"])
-def test_first_and_last_rank_issue_the_same_collectives(strategy):
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c.strategy}-world{c.world}-{c.plan}")
+def test_first_and_last_rank_issue_the_same_collectives(case):
     with ProcessPoolExecutor(max_workers=2, mp_context=multiprocessing.get_context("spawn")) as pool:
-        first, last = pool.map(_as_rank, [0, WORLD - 1], [strategy] * 2)
-    assert first[0] != last[0], "the two ranks hold different shard shapes (the case this test is for)"
-    assert first[2] > 0, "the pass bucketed"
-    assert first[3] > 0, "the pass reordered"
-    assert first[4] != last[4], "the graphs hold each rank's slot offset: [Note: the rank is part of the cache key]"
-    for kind, seq_first, seq_last in zip(("forward", "backward"), first[1], last[1], strict=True):
-        assert len(seq_first) > 4, f"{kind}: the graph has collectives"
-        assert seq_first == seq_last, f"{kind}: rank 0 and rank {WORLD - 1} issue different collectives"
+        first, last = pool.map(_as_rank, [0, case.world - 1], [case] * 2)
+    assert first.input_shapes != last.input_shapes, "the two ranks hold different shard shapes (the case tested)"
+    assert first.merged > 0, "the pass bucketed"
+    if case.plan == "blocks":  # the cost model merges a model this small into one bucket a phase: nothing to move
+        assert first.moved > 0, "the pass reordered"
+    assert first.cache_key != last.cache_key, (
+        "each graph holds its rank's slot offset: [Note: the rank is part of the cache key]"
+    )
+    assert len(first.windows) == 3, "windows around the forward gathers, the backward gathers and the reductions"
+    assert first.windows == last.windows, "the cost model sees the same compute on both ranks"
+    for kind, seq_first, seq_last in zip(("forward", "backward"), first.sequences, last.sequences, strict=True):
+        assert len(seq_first) >= 2, f"{kind}: the graph has collectives"
+        assert seq_first == seq_last, f"{kind}: rank 0 and rank {case.world - 1} issue different collectives"
