@@ -195,7 +195,7 @@ def reorder_reductions(
     graph: fx.Graph, *, config: ReorderConfig, groups: Collection[tuple[int, ...]] | None = None
 ) -> int:
     """Launch each gradient reduction (on `groups`, if given) right after its inputs exist, wait as
-    late as the budget allows; returns how many waits moved later."""
+    late as the budget allows; returns how many waits moved."""
     reductions = find_fsdp_reductions(graph, groups=groups)
     for r in reductions:  # as soon as possible: each chain node right after its latest input
         for node in sorted([*_reduction_launch_chain(r.collective), r.collective]):
@@ -221,4 +221,11 @@ def reorder_reductions(
         if anchor > r.wait and _after_landing(r.wait, landing) is not anchor:
             _move_before(anchor, [r.wait, *landing])
             moved += 1
+        elif anchor < r.wait:
+            # launching early (above) put a later reduction's launch before this wait, past the
+            # budget: wait first -- but never before this reduction's own launch
+            target = anchor if anchor > r.collective else r.collective.next
+            if target < r.wait:
+                _move_before(target, [r.wait, *landing])
+                moved += 1
     return moved
