@@ -42,7 +42,8 @@ class BucketConfig:
     """Which plan (see `plan.py`) decides the buckets.
 
     - `"blocks"` (default): one bucket per repeated block in `blocks` (e.g. from
-      `find_repeated_blocks(model)`), one for the other parameters;
+      `find_repeated_blocks(model)`, which `wrap()` fills in; with none found, `wrap()` switches
+      to `"cap"`), one for the other parameters;
     - `"patterns"`: one bucket per module-FQN pattern in `patterns`;
     - `"cap"`: graph order, at most `cap_bytes` per bucket;
     - `"auto"`: the cost model of `cost.py` for the device profile `device` picks the buckets

@@ -57,13 +57,19 @@ class Bucket:
     members: tuple[int, ...]  # candidate indices, ascending
 
 
+_CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
+
+
 def find_repeated_blocks(model: nn.Module) -> list[str]:
-    """FQNs of the children of every `ModuleList` whose children all share one class (e.g. `layers.0`)."""
+    """FQNs of the children of every `ModuleList`, `Sequential` or `ModuleDict` with at least two
+    children, all of one class: `layers.0` (a Llama's ModuleList), `layer1.0` (a ResNet stage's
+    Sequential), `layers.3` (a ModuleDict keyed by layer id). Outer containers come first, as in
+    `named_modules()`, so a plan that takes the first block owning a parameter takes the outer one."""
     blocks = []
     for fqn, module in model.named_modules():
         children = list(module.named_children())
         same_class = len({type(child) for _, child in children}) == 1
-        if isinstance(module, nn.ModuleList) and len(children) > 1 and same_class:
+        if isinstance(module, _CONTAINERS) and len(children) > 1 and same_class:
             prefix = f"{fqn}." if fqn else ""
             blocks.extend(prefix + name for name, _ in children)
     return blocks

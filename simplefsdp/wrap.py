@@ -103,7 +103,20 @@ def _make_pass(model: nn.Module, passes: PassConfig | None, mesh: DeviceMesh) ->
         return None
     bucket = passes.bucket
     if bucket is not None and bucket.plan == "blocks" and not bucket.blocks:
-        bucket = dataclasses.replace(bucket, blocks=tuple(find_repeated_blocks(model)))
+        blocks = tuple(find_repeated_blocks(model))
+        if blocks:
+            bucket = dataclasses.replace(bucket, blocks=blocks)
+        else:
+            # [Note: no repeated blocks] the block plan would then put every parameter in one
+            # bucket: the whole model gathered at once at the first use, DDP's memory
+            logger.warning(
+                "simplefsdp: %s has no repeated blocks (two or more children of one class in a ModuleList, "
+                "Sequential or ModuleDict); bucketing in graph order, at most %d bytes per bucket, instead. "
+                "Pick buckets with BucketConfig(plan='patterns', patterns=(...)).",
+                type(model).__name__,
+                bucket.cap_bytes,
+            )
+            bucket = dataclasses.replace(bucket, plan="cap")
     if bucket is not None and bucket.plan == "patterns":
         validate_patterns(bucket.patterns, model)
     groups = [tuple(dist.get_process_group_ranks(mesh.get_group(dim))) for dim in range(mesh.ndim)]

@@ -246,3 +246,13 @@ def test_only_dim0_tail_pads_are_folded_into_the_copy_in():
     assert remaining == [pads["cols"]], "the row pad is done by the copy-in, the column pad is not"
     (copy_in,) = [n for n in g.nodes if n.target is torch.ops.simplefsdp.all_gather_copy_in.default]
     assert copy_in.args[1] == [16, 15], "chunks: the padded sizes"
+
+
+def test_a_model_without_repeated_blocks_is_bucketed_by_size(fake_world8, caplog):
+    """The block plan would gather the whole model in one bucket; wrap() says so and caps buckets instead."""
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 8))
+    with caplog.at_level("WARNING", logger="simplefsdp.wrap"):
+        simplefsdp.wrap(model, init_device_mesh("cpu", (8,)))
+    assert pass_of(model).config.bucket.plan == "cap"
+    assert "Sequential has no repeated blocks" in caplog.text
+    assert "BucketConfig(plan='patterns'" in caplog.text

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from torch import nn
 
 from simplefsdp.models import Transformer, TransformerArgs
 from simplefsdp.passes.plan import (
@@ -99,6 +100,21 @@ def test_different_keys_never_merge():
 def test_repeated_blocks_of_the_reference_transformer():
     model = Transformer(TransformerArgs(n_layers=3))
     assert find_repeated_blocks(model) == ["layers.0", "layers.1", "layers.2"]
+
+
+def test_repeated_blocks_in_sequential_and_moduledict_containers():
+    def block() -> nn.Module:
+        return nn.Sequential(nn.Linear(4, 4), nn.ReLU())  # mixed classes inside: not itself a block list
+
+    model = nn.Module()
+    model.stem = nn.Linear(4, 4)
+    model.stage = nn.Sequential(block(), block())
+    model.layers = nn.ModuleDict({"0": block(), "7": block()})
+    model.head = nn.Sequential(nn.Linear(4, 4), nn.Tanh())
+    assert find_repeated_blocks(model) == ["stage.0", "stage.1", "layers.0", "layers.7"]
+    nested = nn.ModuleList([nn.ModuleList([nn.Linear(2, 2), nn.Linear(2, 2)]) for _ in range(2)])
+    assert find_repeated_blocks(nested)[:2] == ["0", "1"], "the outer container first"
+    assert find_repeated_blocks(nn.Sequential(nn.Linear(2, 2), nn.ReLU())) == []
 
 
 def test_bad_cap_and_unmatched_pattern():
