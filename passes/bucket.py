@@ -123,14 +123,27 @@ def _pads_to_world_multiple(node: fx.Node, world: int) -> bool:
 def _unprepared(node: fx.Node, *, pad_ok: Callable[[fx.Node], bool]) -> tuple[fx.Node, list[fx.Node]]:
     """The tensor `node` was cast / zero-padded from, and those single-use cast / pad nodes: the
     bucket copy-in ops cast and pad themselves, in the same pass over memory. A pad is looked
-    through only if `pad_ok` says the copy-in op pads the same way."""
-    chain = []
+    through only if `pad_ok` says the copy-in op pads the same way, and at most one cast that
+    changes only the dtype."""
+    chain, cast = [], False
     while is_cast_or_pad(node) and len(node.users) == 1:
-        if node.target is aten.constant_pad_nd.default and not pad_ok(node):
-            break
+        if node.target is aten.constant_pad_nd.default:
+            if not pad_ok(node):
+                break
+        elif cast or not _only_changes_dtype(node):
+            break  # a second cast: the copy-in casts once, and fp32 -> bf16 -> fp32 must keep its rounding
+        else:
+            cast = True
         chain.append(node)
         node = node.args[0]
     return node, chain
+
+
+def _only_changes_dtype(cast: fx.Node) -> bool:
+    """A cast that keeps device, shape and (strided) layout: what the copy-in op can do for it. A
+    `_to_copy` may also move devices or change layout; those stay in the graph."""
+    before, after = cast.args[0].meta["val"], cast.meta["val"]
+    return before.device == after.device and before.shape == after.shape and after.layout == torch.strided
 
 
 def _contiguous(graph: fx.Graph, node: fx.Node) -> fx.Node:

@@ -218,7 +218,7 @@ def test_gathers_on_different_process_groups_are_not_merged():
     assert [n.args[2] for n in g.nodes if n.target is c10d.all_gather_into_tensor.default] == ["0", "1"]
 
 
-def test_only_dim0_tail_pads_are_folded_into_the_copy_in():
+def test_only_dim0_tail_pads_are_folded_into_the_copy_in(fake_world8):
     """The copy-in op pads each shard at its end (dim 0 rows); any other pad stays in the graph."""
     from simplefsdp._compat import FakeTensorMode
 
@@ -256,3 +256,31 @@ def test_a_model_without_repeated_blocks_is_bucketed_by_size(fake_world8, caplog
     assert pass_of(model).config.bucket.plan == "cap"
     assert "Sequential has no repeated blocks" in caplog.text
     assert "BucketConfig(plan='patterns'" in caplog.text
+
+
+def test_a_cast_chain_keeps_its_intermediate_rounding(fake_world8):
+    """fp32 -> bf16 -> fp32 before an all-gather rounds to bf16: the copy-in casts once, so only the
+    last cast folds into it and the bf16 cast stays in the graph."""
+    from simplefsdp._compat import FakeTensorMode
+
+    c10d, prims = torch.ops._c10d_functional, torch.ops.prims
+    with FakeTensorMode() as mode:
+        shard = mode.from_tensor(torch.zeros(4, 4))
+        low, gathered = shard.to(torch.bfloat16), torch.empty(32, 4)
+    g = torch.fx.Graph()
+    waits = []
+    for name in ("a", "b"):
+        x = g.placeholder(name)
+        x.meta["val"] = shard
+        down = g.call_function(prims.convert_element_type.default, (x, torch.bfloat16))
+        up = g.call_function(prims.convert_element_type.default, (down, torch.float32))
+        down.meta["val"], up.meta["val"] = low, shard
+        ag = g.call_function(c10d.all_gather_into_tensor.default, (up, 8, "0"))
+        waits.append(g.call_function(c10d.wait_tensor.default, (ag,)))
+        ag.meta["val"] = waits[-1].meta["val"] = gathered
+    g.output(tuple(waits))
+    graph_pass = FsdpPass(PassConfig(bucket=BucketConfig(plan="cap", cap_bytes=2**30), reorder=None))
+    graph_pass(g)
+    assert graph_pass.merged == 1
+    casts = [n.args[1] for n in g.nodes if n.target is prims.convert_element_type.default]
+    assert casts == [torch.bfloat16, torch.bfloat16], "each shard's bf16 rounding is kept; the copy-in casts back"
