@@ -6,9 +6,10 @@ compiles a graph. `install()` gives the wrapped root module a subclass whose `fo
 config (chained with whatever pass is already there) for the duration of the call and then runs
 the original `forward`. That `forward` is wrapped with `_compat.eager_top_frame`: Dynamo runs it
 eagerly when it is the top frame (`torch.compile(model)`, `model.compile()`) and compiles the
-original `forward` it calls, inside the patched config; when it is called from a frame Dynamo is
-already tracing, Dynamo traces straight through it (no graph break). The backward is lowered together with the forward
-(`force_non_lazy_backward_lowering`), inside the patch, instead of lazily at `.backward()`.
+entry function it calls, which inlines the original `forward`, inside the patched config; when it
+is called from a frame Dynamo is already tracing, Dynamo traces straight through it (no graph
+break). The backward is lowered together with the forward (`force_non_lazy_backward_lowering`),
+inside the patch, instead of lazily at `.backward()`.
 Consequences:
 - unrelated compiles never see the pass: the config is restored when the call returns;
 - the compile caches stay correct: the pass's `uuid()` (its config, groups and this process's
@@ -135,34 +136,48 @@ def _leave(stack: contextlib.ExitStack) -> None:
 
 
 # [Note: one compiled-code cache per pass configuration]
-# Dynamo caches compiled frames on the code object of the function it compiles -- here the model
-# class's `forward` -- and its guards do not look at inductor's config. Two models of one class
-# wrapped with different passes (or one with passes off) would therefore run each other's graphs:
-# the second model's compile is a cache hit and its pass never runs. So each pass configuration
-# compiles its own copy of `forward` (same code, a distinct code object): models whose passes
-# agree share compiled code, models whose passes differ do not.
-def _forward_copy(forward: object) -> object:
-    if not isinstance(forward, types.FunctionType):
-        return forward
+# Dynamo caches compiled frames on the code object of the function it compiles, and its guards do
+# not look at inductor's config. Two models of one class wrapped with different passes (or one
+# with passes off) would therefore run each other's graphs: the second model's compile is a cache
+# hit and its pass never runs. So the frame Dynamo compiles is an entry function with its own code
+# object per pass configuration (same code, a distinct object): models whose passes agree share
+# compiled code, models whose passes differ do not.
+#
+# [Note: the compiled frame is ours, not the model's forward]
+# That entry function lives here and calls the model's own `forward`, which Dynamo inlines. Were the
+# model's `forward` itself the frame, a root whose `forward` is torch's (an `nn.Sequential`) would
+# not be compiled at all -- Dynamo does not start frames in torch's own files -- and every
+# parameter's gather would become a graph of its own, the layers running eagerly in between.
+def _fresh_code(function: types.FunctionType) -> types.FunctionType:
+    """`function` with a code object of its own (same code, defaults, closure and names)."""
     copy = types.FunctionType(
-        forward.__code__.replace(), forward.__globals__, forward.__name__, forward.__defaults__, forward.__closure__
+        function.__code__.replace(),
+        function.__globals__,
+        function.__name__,
+        function.__defaults__,
+        function.__closure__,
     )
-    copy.__kwdefaults__ = forward.__kwdefaults__
-    copy.__qualname__, copy.__doc__, copy.__module__ = forward.__qualname__, forward.__doc__, forward.__module__
+    copy.__kwdefaults__ = function.__kwdefaults__
+    copy.__qualname__, copy.__doc__, copy.__module__ = function.__qualname__, function.__doc__, function.__module__
     return copy
 
 
 @functools.cache
 def _compiling_class(cls: type[nn.Module], pass_key: str) -> type[nn.Module]:
     """`cls` with a `forward` that runs under the pass keyed `pass_key` (its `uuid()`)."""
-    original_forward = _forward_copy(cls.forward)
+    original_forward = cls.forward
+
+    def compiled_entry(self, *args, **kwargs):
+        return original_forward(self, *args, **kwargs)
+
+    entry = _fresh_code(compiled_entry)
 
     def forward(self, *args, **kwargs):
         if torch.compiler.is_compiling():  # inlined into a larger compiled function, see the module note
             return original_forward(self, *args, **kwargs)
         stack = _enter(self)
         try:
-            return original_forward(self, *args, **kwargs)
+            return entry(self, *args, **kwargs)
         finally:
             _leave(stack)
 

@@ -104,3 +104,17 @@ def test_pass_cache_key_is_its_configuration():
     assert FsdpPass(config, groups=[(0, 1)]).uuid() != key
     assert FsdpPass(dataclasses.replace(config, reorder=None), groups=groups).uuid() != key
     assert FsdpPass(PassConfig(), groups=groups).uuid() != key
+
+
+def test_a_sequential_root_compiles_as_one_graph(fake_world8):
+    """A root whose `forward` is torch's own (`nn.Sequential`): Dynamo compiles our entry frame and
+    inlines it, one forward and one backward graph, bucketed ([Note: the compiled frame is ours])."""
+    import torch
+
+    import simplefsdp
+    from simplefsdp.passes.install import pass_of
+
+    model = simplefsdp.wrap(torch.nn.Sequential(*(torch.nn.Linear(8, 8) for _ in range(3))))
+    torch.compile(model, backend="simplefsdp_aot_eager")(torch.randn(2, 8)).sum().backward()
+    assert pass_of(model).graphs == 2, "one graph per parameter gather means the layers ran eagerly"
+    assert pass_of(model).merged > 0
