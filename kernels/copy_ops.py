@@ -22,6 +22,7 @@ import torch
 from simplefsdp.kernels import reference
 
 __all__ = [
+    "SUPPORTED_DTYPES",
     "all_gather_copy_in",
     "all_gather_copy_out",
     "reduce_scatter_copy_in",
@@ -29,7 +30,7 @@ __all__ = [
     "reduce_scatter_copy_out_accumulate",
 ]
 
-_FLOAT = (torch.float32, torch.bfloat16, torch.float16)
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what the ops read and write
 
 
 def _use_triton(t: torch.Tensor) -> bool:
@@ -37,8 +38,8 @@ def _use_triton(t: torch.Tensor) -> bool:
 
 
 def _check_dtype(what: str, dtype: torch.dtype) -> None:
-    if dtype not in _FLOAT:
-        raise ValueError(f"{what} has dtype {dtype}; supported: {', '.join(map(str, _FLOAT))}")
+    if dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"{what} has dtype {dtype}; supported: {', '.join(map(str, SUPPORTED_DTYPES))}")
 
 
 def _check_tensors(what: str, tensors: Sequence[torch.Tensor]) -> None:

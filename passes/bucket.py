@@ -38,6 +38,7 @@ from torch import fx
 
 import simplefsdp.kernels  # noqa: F401  (registers torch.ops.simplefsdp.*, the copy-in / copy-out ops)
 from simplefsdp._compat import resolve_process_group, stable_topological_sort, tree_leaves
+from simplefsdp.kernels.copy_ops import SUPPORTED_DTYPES
 from simplefsdp.kernels.reference import chunk_numel
 from simplefsdp.passes.collectives import is_cast_or_pad, search
 from simplefsdp.passes.detect import FsdpAllGather, FsdpReduction
@@ -92,7 +93,7 @@ def _apply(
     and those nodes are then removed. Returns collectives removed."""
     removed = 0
     for bucket in buckets:
-        members = [items[i] for i in bucket.members]
+        members = [items[i] for i in bucket.members if _copy_ops_support(items[i])]
         if len(members) < 2 or not independent(members):
             continue
         replacements, prep = merge(graph, members)
@@ -105,6 +106,16 @@ def _apply(
         removed += len(members) - 1
     stable_topological_sort(graph)
     return removed
+
+
+def _copy_ops_support(member: Member) -> bool:
+    """The bucket copy ops read and write `SUPPORTED_DTYPES` only: a member sending, or cast from,
+    another dtype (fp64, float8) -- or whose tensors carry no traced metadata to tell -- keeps its
+    own collective."""
+    sent = member.collective.args[0]
+    source, _ = _unprepared(sent, pad_ok=lambda n: True)
+    vals = [getattr(node, "meta", {}).get("val") for node in (sent, source)]
+    return all(isinstance(v, torch.Tensor) and v.dtype in SUPPORTED_DTYPES for v in vals)
 
 
 def _is_dim0_tail_pad(node: fx.Node) -> bool:

@@ -99,6 +99,7 @@ def test_dependent_reductions_are_not_merged():
     c10d, aten = torch.ops._c10d_functional, torch.ops.aten
     with FakeTensorMode() as mode:
         grad = mode.from_tensor(torch.zeros(16))
+        shard = torch.empty(2)
     g = torch.fx.Graph()
     x = g.placeholder("grad")
     x.meta["val"] = grad
@@ -107,6 +108,8 @@ def test_dependent_reductions_are_not_merged():
     y = g.call_function(aten.repeat.default, (w1, [8]))  # depends on the first reduction's result
     rs2 = g.call_function(c10d.reduce_scatter_tensor.default, (y, "sum", 8, "0"))
     w2 = g.call_function(c10d.wait_tensor.default, (rs2,))
+    for node, val in [(rs1, shard), (w1, shard), (y, grad), (rs2, shard), (w2, shard)]:
+        node.meta["val"] = val
     g.output((w1, w2))
     reductions = find_fsdp_reductions(g)
     assert len(reductions) == 2
@@ -284,3 +287,15 @@ def test_a_cast_chain_keeps_its_intermediate_rounding(fake_world8):
     assert graph_pass.merged == 1
     casts = [n.args[1] for n in g.nodes if n.target is prims.convert_element_type.default]
     assert casts == [torch.bfloat16, torch.bfloat16], "each shard's bf16 rounding is kept; the copy-in casts back"
+
+
+def test_float64_parameters_keep_their_own_collectives(fake_world8):
+    """The bucket copy ops handle fp32 / bf16 / fp16: fp64 parameters are left as traced, and the
+    model trains (no error from a copy op at the first step)."""
+    model = torch.nn.Sequential(*(torch.nn.Linear(8, 8) for _ in range(3))).double()
+    graph_pass = pass_of(simplefsdp.wrap(model, init_device_mesh("cpu", (8,))))
+    compiled = torch.compile(model, backend="simplefsdp_aot_eager")
+    compiled(torch.randn(2, 8, dtype=torch.float64)).sum().backward()
+    assert graph_pass.graphs == 2
+    assert graph_pass.merged == 0
+    assert all(p.grad is not None and p.grad.dtype == torch.float64 for p in model.parameters())
