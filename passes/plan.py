@@ -236,13 +236,19 @@ def _best_runs(sizes: list[int], compute: list[float], comm: Callable[[int], flo
 
 
 def check_plan(candidates: Sequence[Candidate], buckets: Sequence[Bucket]) -> None:
-    """Raise `AssertionError` naming the broken invariant (see the module docstring)."""
+    """Raise `RuntimeError` naming the broken invariant (see the module docstring). A planner's bug
+    caught here, before the graph changes, is an error; missed, it would be a hang or lost gradients."""
+
+    def require(ok: bool, what: str) -> None:
+        if not ok:
+            raise RuntimeError(f"simplefsdp bucket plan: {what}")
+
     by_index = {c.index: c for c in candidates}
     members = [i for b in buckets for i in b.members]
-    assert sorted(members) == sorted(by_index), "a plan must partition the candidates"
+    require(sorted(members) == sorted(by_index), "a plan must partition the candidates")
     for bucket in buckets:
-        assert list(bucket.members) == sorted(bucket.members), f"bucket {bucket} is out of graph order"
+        require(list(bucket.members) == sorted(bucket.members), f"bucket {bucket} is out of graph order")
         keys = {by_index[i].key for i in bucket.members}
-        assert len(keys) == 1, f"bucket {bucket} mixes merge keys {keys}"
+        require(len(keys) == 1, f"bucket {bucket} mixes merge keys {keys}")
     firsts = [b.members[0] for b in buckets]
-    assert firsts == sorted(firsts), "buckets must be ordered by their first member"
+    require(firsts == sorted(firsts), "buckets must be ordered by their first member")

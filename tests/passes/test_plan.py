@@ -9,6 +9,7 @@ from torch import nn
 
 from simplefsdp.models import Transformer, TransformerArgs
 from simplefsdp.passes.plan import (
+    Bucket,
     Candidate,
     check_plan,
     find_repeated_blocks,
@@ -95,6 +96,20 @@ def test_different_keys_never_merge():
     cands = [Candidate(0, ("ag", "group0"), 1), Candidate(1, ("ag", "group1"), 1), Candidate(2, ("ag", "group0"), 1)]
     assert [b.members for b in plan_by_cap(cands, cap_bytes=100)] == [(0, 2), (1,)]
     assert [b.members for b in plan_by_blocks(cands, blocks=[])] == [(0, 2), (1,)]
+
+
+def test_check_plan_names_each_broken_invariant():
+    cands = [Candidate(0, "a", 1), Candidate(1, "a", 1), Candidate(2, "b", 1)]
+    check_plan(cands, [Bucket((0, 1)), Bucket((2,))])
+    for buckets, what in [
+        ([Bucket((0, 1))], "partition"),
+        ([Bucket((0, 1)), Bucket((1, 2))], "partition"),
+        ([Bucket((1, 0)), Bucket((2,))], "out of graph order"),
+        ([Bucket((0,)), Bucket((1, 2))], "mixes merge keys"),
+        ([Bucket((2,)), Bucket((0, 1))], "ordered by their first member"),
+    ]:
+        with pytest.raises(RuntimeError, match=what):
+            check_plan(cands, buckets)
 
 
 def test_repeated_blocks_of_the_reference_transformer():
