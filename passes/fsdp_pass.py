@@ -125,7 +125,7 @@ class FsdpPass(CustomGraphPass):
         merged = _bucket(graph, self.config.bucket, self.groups) if self.config.bucket is not None else 0
         moved = 0
         if self.config.reorder is not None:
-            moved = reorder_all_gathers(graph, config=self.config.reorder)
+            moved = reorder_all_gathers(graph, config=self.config.reorder, groups=self.groups)
             moved += reorder_reductions(graph, config=self.config.reorder, groups=self.groups)
         self.merged += merged
         self.moved += moved

@@ -43,7 +43,7 @@ import torch
 from torch import fx
 
 from simplefsdp.passes.collectives import is_all_gather, is_cast_or_pad, is_wait, passes_value_through
-from simplefsdp.passes.detect import find_fsdp_reductions
+from simplefsdp.passes.detect import find_fsdp_reductions, group_ranks
 
 __all__ = ["ReorderConfig", "reorder_all_gathers", "reorder_reductions"]
 
@@ -55,7 +55,8 @@ class ReorderConfig:
     prefetch_depth: int = 1  # all-gathers launched ahead of the one being waited
     # extra gathered buffers / reduction inputs kept alive by reordering; the default admits one
     # prefetched block of a Llama-3-405B-sized model in bf16 (6.4 GB): a smaller cap silently turns
-    # prefetch off for any block bigger than it
+    # prefetch off for any block bigger than it. Prefetched gathers and in-flight reductions each
+    # get this budget, so a backward, which has both, may hold up to twice it.
     max_in_flight_bytes: int = 8 * 2**30
 
     def __post_init__(self) -> None:
@@ -156,11 +157,13 @@ class _Gather:
     first_use: fx.Node
 
 
-def _prefetchable_gathers(graph: fx.Graph) -> list[_Gather]:
+def _prefetchable_gathers(graph: fx.Graph, groups: Collection[tuple[int, ...]] | None) -> list[_Gather]:
     found = []
     for node in graph.nodes:
         if not is_all_gather(node) or len(node.users) != 1 or not is_wait(next(iter(node.users))):
             continue
+        if groups is not None and group_ranks(node.args[2]) not in groups:
+            continue  # another parallelism's all-gather (tensor parallel's): not ours to move
         chain = _gather_launch_chain(node)
         wait = next(iter(node.users))
         landing, consumers = _landing(wait)
@@ -170,9 +173,12 @@ def _prefetchable_gathers(graph: fx.Graph) -> list[_Gather]:
     return sorted(found, key=lambda g: g.first_use)
 
 
-def reorder_all_gathers(graph: fx.Graph, *, config: ReorderConfig) -> int:
-    """Prefetch all-gathers and sink their waits to first use; returns how many launches moved earlier."""
-    gathers = _prefetchable_gathers(graph)
+def reorder_all_gathers(
+    graph: fx.Graph, *, config: ReorderConfig, groups: Collection[tuple[int, ...]] | None = None
+) -> int:
+    """Prefetch all-gathers (on `groups`, if given) and sink their waits to first use; returns how
+    many launches moved earlier."""
+    gathers = _prefetchable_gathers(graph, groups)
     for g in gathers:  # wait (and unpacking) right before the first use
         _move_before(g.first_use, [g.wait, *g.landing])
     moved, previous_anchor = 0, 0

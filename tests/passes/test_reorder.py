@@ -54,3 +54,49 @@ def test_a_large_budget_keeps_both_in_flight():
     reorder_reductions(graph, config=ReorderConfig())
     graph.lint()
     assert _order(graph) == ["mm", "RS", "mm", "RS", "W", "W"]
+
+
+def test_only_the_given_groups_gathers_are_prefetched(fake_world8):
+    """On a dp x tp mesh, a pass told its dp groups prefetches the dp all-gather and leaves the tp
+    one where tensor parallelism put it."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from simplefsdp.passes.detect import group_ranks
+    from simplefsdp.passes.reorder import reorder_all_gathers
+
+    mesh = init_device_mesh("cpu", (2, 4), mesh_dim_names=("dp", "tp"))
+    names = {dim: mesh.get_group(dim).group_name for dim in ("dp", "tp")}
+    with FakeTensorMode() as mode:
+        square = mode.from_tensor(torch.zeros(4, 4))
+        gathered = {"dp": torch.empty(8, 4), "tp": torch.empty(16, 4)}
+    graph = fx.Graph()
+    act = graph.placeholder("act")
+    act.meta["val"] = square
+    value = act
+    for dim in ("dp", "tp"):
+        shard = graph.placeholder(f"{dim}_shard")
+        shard.meta["val"] = square
+        size = mesh.size(mesh.mesh_dim_names.index(dim))
+        launch = graph.call_function(c10d.all_gather_into_tensor.default, (shard, size, names[dim]))
+        wait = graph.call_function(c10d.wait_tensor.default, (launch,))
+        launch.meta["val"] = wait.meta["val"] = gathered[dim]
+        value = graph.call_function(aten.mm.default, (value, value))  # this block's compute
+        value.meta["val"] = square
+        use = graph.call_function(aten.sum.default, (wait,))
+        use.meta["val"] = square.sum()
+        value = graph.call_function(aten.add.Tensor, (value, use))
+        value.meta["val"] = square
+    graph.output((value,))
+
+    def launch_before_first_wait(dim: str) -> bool:
+        nodes = list(graph.nodes)
+        launch = next(n for n in nodes if n.target is c10d.all_gather_into_tensor.default and n.args[2] == names[dim])
+        first_wait = next(n for n in nodes if n.target is c10d.wait_tensor.default)
+        return nodes.index(launch) < nodes.index(first_wait)
+
+    dp_ranks = [group_ranks(names["dp"])]
+    assert reorder_all_gathers(graph, config=ReorderConfig(), groups=dp_ranks) == 0, "the dp gather is first already"
+    assert not launch_before_first_wait("tp"), "the tp gather was not moved"
+    graph.lint()
+    assert reorder_all_gathers(graph, config=ReorderConfig()) == 1, "without the filter it would be prefetched"
+    assert launch_before_first_wait("tp")
