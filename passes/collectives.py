@@ -24,6 +24,7 @@ __all__ = [
     "is_all_reduce",
     "is_cast_or_pad",
     "is_reduce_scatter",
+    "is_view_of_input",
     "is_wait",
     "passes_value_through",
     "search",
@@ -110,6 +111,21 @@ def passes_value_through(node: fx.Node) -> bool:
     if target in _PASSTHROUGH_TARGETS or is_wait(node):
         return True
     return isinstance(target, OpOverload) and target.is_view
+
+
+_RESHAPES = {torch.ops.aten.reshape.default, torch.ops.aten._unsafe_view.default}
+
+
+def is_view_of_input(node: fx.Node) -> bool:
+    """True if `node`'s output shares its first input's storage: a view op, `getitem` (one output of
+    a multi-output op), or a reshape of a contiguous tensor. Reshapes are decided first: reshape's
+    schema declares an alias, but it copies an input it cannot view."""
+    if node.op != "call_function":
+        return False
+    if node.target in _RESHAPES:
+        source = node.args[0].meta.get("val") if isinstance(node.args[0], fx.Node) else None
+        return isinstance(source, torch.Tensor) and source.is_contiguous()
+    return node.target is operator.getitem or bool(getattr(node.target, "is_view", False))
 
 
 def search(start: fx.Node, *, found: Callable[[fx.Node], bool], expand: Callable[[fx.Node], Iterable[fx.Node]]) -> bool:

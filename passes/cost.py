@@ -28,14 +28,19 @@ rank plans; they do not predict wall time to the microsecond.
 from __future__ import annotations
 
 import dataclasses
-import operator
 
 import torch
 from torch import fx
 from torch.utils.flop_counter import flop_registry
 
 from simplefsdp._compat import tree_leaves
-from simplefsdp.passes.collectives import is_cast_or_pad, is_reduce_scatter, is_wait, passes_value_through
+from simplefsdp.passes.collectives import (
+    is_cast_or_pad,
+    is_reduce_scatter,
+    is_view_of_input,
+    is_wait,
+    passes_value_through,
+)
 
 __all__ = ["PROFILES", "DeviceProfile", "collective_seconds", "compute_between", "node_seconds", "profile"]
 
@@ -84,19 +89,8 @@ def _tensor_bytes(value: object) -> int:
     return sum(t.numel() * t.dtype.itemsize for t in tree_leaves(value) if isinstance(t, torch.Tensor))
 
 
-_RESHAPES = {torch.ops.aten.reshape.default, torch.ops.aten._unsafe_view.default}
-
-
 def _moves_no_data(node: fx.Node) -> bool:
-    target = node.target
-    if target in _RESHAPES:  # checked first: reshape's schema declares an alias, but it copies when it must
-        source = node.args[0].meta.get("val") if isinstance(node.args[0], fx.Node) else None
-        return isinstance(source, torch.Tensor) and source.is_contiguous()
-    return (
-        target is operator.getitem
-        or getattr(target, "is_view", False)
-        or getattr(target, "namespace", "") == "_c10d_functional"
-    )
+    return is_view_of_input(node) or getattr(node.target, "namespace", "") == "_c10d_functional"
 
 
 def node_seconds(device: DeviceProfile, node: fx.Node) -> float:

@@ -6,8 +6,9 @@ sharded gradients (same dtype as the masters, from the backward until the optimi
 optimizer state (AdamW: two moments, SGD with momentum: one, per sharded element).
 Transient, by walking each graph in node order: a node's output is allocated when it runs and
 freed after its last use (graph outputs live to the end, a backward input from its start to its
-last use), as inductor's generated code frees buffers. Views, `getitem`, `wait_tensor` and
-in-place collectives alias their input's storage instead of allocating. The forward ends holding
+last use), as inductor's generated code frees buffers. Views (a reshape of a contiguous tensor
+among them), `getitem`, `wait_tensor` and in-place collectives alias their input's storage instead
+of allocating. The forward ends holding
 what it saves for backward ("activations"); the backward starts from them. Live bytes are split
 into gathered parameters / communication buffers (outputs of all-gathers, the bucket copy ops,
 and values derived only from gathered weights), reduced gradients (outputs of reduce-scatters /
@@ -23,7 +24,6 @@ may fuse away intermediates this walk counts: the walk is an upper bound for the
 from __future__ import annotations
 
 import dataclasses
-import operator
 
 import torch
 from torch import fx, nn
@@ -31,7 +31,7 @@ from torch import fx, nn
 from simplefsdp._compat import tree_leaves
 from simplefsdp.inspect.buckets import collective_kind
 from simplefsdp.inspect.capture import StepCapture
-from simplefsdp.passes.collectives import derives_from_all_gather, is_wait
+from simplefsdp.passes.collectives import derives_from_all_gather, is_view_of_input, is_wait
 
 __all__ = [
     "OPTIMIZER_STATES",
@@ -44,8 +44,6 @@ __all__ = [
 ]
 
 OPTIMIZER_STATES = {"adamw": 2, "sgd": 1, "none": 0}  # state tensors per parameter, shaped like it
-
-_ALIAS_TARGETS = {operator.getitem, torch.ops.aten.reshape.default, torch.ops.aten._unsafe_view.default}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -95,7 +93,7 @@ def _alias_of(node: fx.Node) -> fx.Node | None:
         return None
     if "out" in node.kwargs and isinstance(node.kwargs["out"], fx.Node):  # in-place collective on a buffer
         return node.kwargs["out"]
-    if is_wait(node) or node.target in _ALIAS_TARGETS or getattr(node.target, "is_view", False):
+    if is_wait(node) or is_view_of_input(node):
         return node.args[0] if isinstance(node.args[0], fx.Node) else None
     return None
 
