@@ -21,8 +21,10 @@ times across runs.
 from __future__ import annotations
 
 import argparse
+import re
 import statistics
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -53,8 +55,9 @@ CONFIGS = {
 }
 
 
-def _compile_config(name: str, args: argparse.Namespace) -> tuple[Callable[[], None], int]:
-    """Build, wrap and compile one configuration; returns its training step and collectives per step."""
+def _compile_config(name: str, args: argparse.Namespace) -> tuple[Callable[[], None], list[str]]:
+    """Build, wrap and compile one configuration; returns its training step and inductor's code
+    (forward, backward)."""
     wrap_kwargs, inductor_options = CONFIGS[name]
     torch.manual_seed(0)
     model = simplefsdp.wrap(Transformer(model_args(args)), **wrap_kwargs)
@@ -70,16 +73,28 @@ def _compile_config(name: str, args: argparse.Namespace) -> tuple[Callable[[], N
         optimizer.zero_grad(set_to_none=True)
 
     with inductor_config.patch(fx_graph_cache=False), functorch_config.patch(enable_autograd_cache=False):
-        _, code = run_and_get_code(step)  # compiles forward and backward, counts their collectives
-    return step, count_code_launches(code)
+        _, code = run_and_get_code(step)  # compiles forward and backward
+    return step, code
+
+
+def _save_code(directory: str, name: str, rank: int, code: list[str]) -> None:
+    """Write one configuration's generated code, e.g. `DIR/b_rank0_forward.py`, for diffing across commits."""
+    tag = re.match(r"\((\w+'?)\)", name).group(1).replace("'", "_prime")
+    for phase, source in zip(("forward", "backward"), code, strict=True):
+        (Path(directory) / f"{tag}_rank{rank}_{phase}.py").write_text(source)
 
 
 def _worker(rank: int, args: argparse.Namespace, results: dict) -> None:
     steps, collectives = {}, {}
     for name in CONFIGS:
-        steps[name], collectives[name] = _compile_config(name, args)
+        steps[name], code = _compile_config(name, args)
+        collectives[name] = count_code_launches(code)
+        if args.save_code:
+            _save_code(args.save_code, name, rank, code)
         if rank == 0:
             print(f"  compiled {name}: {collectives[name]} collectives/step", flush=True)
+    if args.save_code:
+        return
     times = interleaved_times(steps, warmup=args.warmup, timed=args.steps)  # see [Note: interleaved timing]
     if rank == 0:
         results.update({name: (times[name], collectives[name]) for name in CONFIGS})
@@ -88,9 +103,17 @@ def _worker(rank: int, args: argparse.Namespace, results: dict) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add_model_arguments(parser)
+    parser.add_argument(
+        "--save-code", metavar="DIR", help="write inductor's code of every configuration and rank to DIR, then stop"
+    )
     args = parser.parse_args()
+    if args.save_code:
+        Path(args.save_code).mkdir(parents=True, exist_ok=True)
     print(f"2 gloo ranks, FULL_SHARD fp32, {args.layers} blocks, dim {args.dim}, batch {args.batch}x{args.seq}")
     results = spawn(_worker, args, world=2, port=args.port)
+    if args.save_code:
+        print(f"wrote inductor's code to {args.save_code}")
+        return
     no_passes, builtin = results[NO_PASSES][0], results[TORCH_BUILTIN][0]
     print("\n| configuration | step time (median) | vs (a) | vs (c), paired [quartiles] | collectives / step |")
     print("|---|---|---|---|---|")
