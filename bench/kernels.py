@@ -38,6 +38,7 @@ import torch.distributed.fsdp
 import torch.nn.functional as F
 
 import simplefsdp.kernels  # noqa: F401  (registers torch.ops.simplefsdp.*)
+from simplefsdp import _compat
 from simplefsdp.kernels import reference
 
 
@@ -152,7 +153,7 @@ def main() -> int:
     rs_bytes = sum(numels) * 4 + n_full * 2
     ours, chunk_cat = _time(
         lambda: torch.ops.simplefsdp.reduce_scatter_copy_in(fulls, world, bf16, 1.0),
-        lambda: torch._chunk_cat([f.to(bf16) for f in fulls], dim=0, num_chunks=world),
+        lambda: _compat.chunk_cat([f.to(bf16) for f in fulls], dim=0, num_chunks=world),
     )
     rows.append(_row("reduce-scatter copy-in, ours", rs_bytes, ours, copy_gbs))
     rows.append(_row("reduce-scatter copy-in, FSDP2 eager (cast, then _chunk_cat)", rs_bytes, chunk_cat, copy_gbs))

@@ -1,4 +1,4 @@
-"""The four bucket copy ops as `torch.library` custom ops: `torch.ops.simplefsdp.<name>`.
+"""The three bucket copy ops as `torch.library` custom ops: `torch.ops.simplefsdp.<name>`.
 
 Semantics: `reference.py`. Each op has a CUDA implementation (one Triton kernel launch per
 parameter, `triton_copy.py`; `SIMPLEFSDP_TRITON_ON_CPU=1` also routes CPU tensors through it, for
@@ -10,6 +10,17 @@ naming the argument and position.
 All-gather copy-out returns fresh tensors (not views): a parameter's full value spans every rank
 slot of the gathered buffer, `[world, bucket]` rows apart, so only a one-parameter bucket could be
 viewed; the copy is one read and one write per element.
+
+[Note: no reduce-scatter copy-out op]
+A reduce-scatter's result needs no copy-out: each parameter's shard gradient is a contiguous run of
+this rank's reduced slot, in the reduction dtype, so the bucketing pass unpacks it with views. The
+cast back to the master dtype (mixed precision) stays the graph's own op, which inductor fuses with
+its consumers; a custom op there would read and write the same bytes and hide the cast from fusion.
+
+`ALL_GATHER_COPY_IN`, `ALL_GATHER_COPY_OUT` and `REDUCE_SCATTER_COPY_IN` are the ops' overloads as
+they appear as FX node targets; importing this module is what registers them, so code that names
+them imports them from here (never `torch.ops.simplefsdp.*` at import time, which would depend on
+another module having registered them first).
 """
 
 from __future__ import annotations
@@ -19,15 +30,17 @@ from collections.abc import Sequence
 
 import torch
 
+from simplefsdp._compat import chunk_cat, foreach_copy_
 from simplefsdp.kernels import reference
 
 __all__ = [
+    "ALL_GATHER_COPY_IN",
+    "ALL_GATHER_COPY_OUT",
+    "REDUCE_SCATTER_COPY_IN",
     "SUPPORTED_DTYPES",
     "all_gather_copy_in",
     "all_gather_copy_out",
     "reduce_scatter_copy_in",
-    "reduce_scatter_copy_out",
-    "reduce_scatter_copy_out_accumulate",
 ]
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what the ops read and write
@@ -49,9 +62,9 @@ def _check_tensors(what: str, tensors: Sequence[torch.Tensor]) -> None:
             raise ValueError(f"{what}[{i}] (shape {tuple(t.shape)}, stride {t.stride()}) must be contiguous")
 
 
-def _check_chunks(chunks: Sequence[int], n: int | None) -> None:
-    """`chunks` are >= 0 and, if `n` is given, one per tensor."""
-    if n is not None and len(chunks) != n:
+def _check_chunks(chunks: Sequence[int], n: int) -> None:
+    """`chunks` are >= 0, one per tensor."""
+    if len(chunks) != n:
         raise ValueError(f"got {len(chunks)} chunk sizes for {n} tensors")
     bad = [i for i, c in enumerate(chunks) if c < 0]
     if bad:
@@ -59,7 +72,7 @@ def _check_chunks(chunks: Sequence[int], n: int | None) -> None:
 
 
 # [Note: CPU implementations] The CPU paths are the unfused torch sequences FSDP2 runs, minus its
-# extra temporaries where that is measured faster on this CPU (`python bench/kernels.py --cpu`):
+# extra temporaries where that measured faster on a 2-core x86 CPU (`python bench/kernels.py --cpu`):
 # all-gather copy-in is one `_foreach_copy_` that casts each shard straight into its place in the
 # slot (no cast temporaries, no separate padded copies); copy-out is `split_with_sizes_copy`;
 # reduce-scatter copy-in casts first when it must (`_chunk_cat` converting dtypes on the fly is
@@ -69,7 +82,7 @@ def _cpu_all_gather_copy_in(shards: list[torch.Tensor], chunks: list[int], slot:
     places = slot.split(chunks)
     if not shards:
         return
-    torch._foreach_copy_([p[: s.numel()] for p, s in zip(places, shards, strict=True)], [s.view(-1) for s in shards])
+    foreach_copy_([p[: s.numel()] for p, s in zip(places, shards, strict=True)], [s.view(-1) for s in shards])
     for place, shard in zip(places, shards, strict=True):
         if shard.numel() < place.numel():  # a short last shard, or dim 0 not a multiple of world
             place[shard.numel() :].zero_()
@@ -92,7 +105,7 @@ def _cpu_reduce_scatter_copy_in(
     cast = [g if g.dtype == dtype and scale == 1.0 else reference.cast(g, dtype, scale) for g in grads]
     nonempty = [g.reshape(-1) if g.dim() == 0 else g for g in cast if g.numel()]  # _chunk_cat rejects empties
     if nonempty:
-        torch._chunk_cat(nonempty, dim=0, num_chunks=world, out=out)
+        chunk_cat(nonempty, dim=0, num_chunks=world, out=out)
     return out.view(-1)
 
 
@@ -185,56 +198,6 @@ def _(grads, world, dtype, scale):
     return torch.empty(world * sum(reference.chunk_numel(g.shape, world) for g in grads), dtype=dtype, device=device)
 
 
-# --- reduce-scatter copy-out --------------------------------------------------------------------
-
-
-@torch.library.custom_op("simplefsdp::reduce_scatter_copy_out", mutates_args=())
-def reduce_scatter_copy_out(
-    reduced: torch.Tensor, chunks: list[int], dtype: torch.dtype, scale: float
-) -> list[torch.Tensor]:
-    """Each parameter's shard gradient `[chunk_i]` in `dtype` (times `scale`) from this rank's reduced slot."""
-    _check_tensors("reduced", [reduced])
-    _check_dtype("dtype", dtype)
-    _check_chunks(chunks, None)
-    if reduced.numel() != sum(chunks):
-        raise ValueError(f"reduced has {reduced.numel()} elements; the chunks add up to {sum(chunks)}")
-    if not _use_triton(reduced):
-        return reference.reduce_scatter_copy_out(reduced, chunks, dtype, scale)
-    from simplefsdp.kernels import triton_copy
-
-    outs = [torch.empty(c, dtype=dtype, device=reduced.device) for c in chunks]
-    triton_copy.unpack(reduced, list(chunks), outs, rows=1, scale=scale)
-    return outs
-
-
-@reduce_scatter_copy_out.register_fake
-def _(reduced, chunks, dtype, scale):
-    return [reduced.new_empty(c, dtype=dtype) for c in chunks]
-
-
-@torch.library.custom_op("simplefsdp::reduce_scatter_copy_out_accumulate", mutates_args=())
-def reduce_scatter_copy_out_accumulate(
-    reduced: torch.Tensor, chunks: list[int], scale: float, accumulate_into: list[torch.Tensor]
-) -> list[torch.Tensor]:
-    """`accumulate_into[i]` plus its shard gradient from the reduced slot (times `scale`), in its dtype and shape."""
-    _check_tensors("reduced", [reduced])
-    _check_tensors("accumulate_into", accumulate_into)
-    _check_chunks(chunks, len(accumulate_into))
-    if reduced.numel() != sum(chunks):
-        raise ValueError(f"reduced has {reduced.numel()} elements; the chunks add up to {sum(chunks)}")
-    for i, (acc, c) in enumerate(zip(accumulate_into, chunks, strict=True)):
-        if acc.numel() != c:
-            raise ValueError(f"accumulate_into[{i}] has {acc.numel()} elements; its chunk has {c}")
-    if not _use_triton(reduced):
-        return reference.reduce_scatter_copy_out_accumulate(reduced, chunks, scale, accumulate_into)
-    from simplefsdp.kernels import triton_copy
-
-    outs = [torch.empty_like(acc) for acc in accumulate_into]
-    flat = [acc.reshape(-1) for acc in accumulate_into]
-    triton_copy.unpack(reduced, list(chunks), [o.view(-1) for o in outs], rows=1, scale=scale, accumulate=flat)
-    return outs
-
-
-@reduce_scatter_copy_out_accumulate.register_fake
-def _(reduced, chunks, scale, accumulate_into):
-    return [torch.empty_like(acc) for acc in accumulate_into]
+ALL_GATHER_COPY_IN = torch.ops.simplefsdp.all_gather_copy_in.default
+ALL_GATHER_COPY_OUT = torch.ops.simplefsdp.all_gather_copy_out.default
+REDUCE_SCATTER_COPY_IN = torch.ops.simplefsdp.reduce_scatter_copy_in.default

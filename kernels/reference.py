@@ -1,4 +1,4 @@
-"""Pure-torch references of the four bucket copy ops: the specification the kernels are tested against.
+"""Pure-torch references of the three bucket copy ops: the specification the kernels are tested against.
 
 Shapes, for a bucket of parameters `i` with `numel_i` elements in full and, on `world` ranks,
 `chunk_i = ceil(dim0_i / world) * (numel_i / dim0_i)` elements per rank (dim 0 padded to a
@@ -14,10 +14,7 @@ multiple of `world`, as DTensor shards it):
 - `reduce_scatter_copy_in(grads, world, dtype, scale)`: full gradients (flat `[numel_i]`) -> cast to
   `dtype` (times `scale`, multiplied in fp32), each zero-padded to `world * chunk_i` and its rank chunks interleaved:
   `[world * sum(chunks)]`, rank r's slot holding every gradient's chunk r (`torch._chunk_cat`'s layout).
-- `reduce_scatter_copy_out(reduced, chunks, dtype, scale)`: this rank's reduced slot `[sum(chunks)]`
-  -> each parameter's shard gradient `[chunk_i]` in `dtype` (times `scale`, multiplied in fp32);
-  `reduce_scatter_copy_out_accumulate(reduced, chunks, scale, grads)`: the same added to existing
-  gradients (`grads[i] + shard_i`, in `grads[i]`'s dtype and shape).
+  This rank's reduced slot is then `[sum(chunks)]`, each shard gradient a contiguous run of it.
 """
 
 from __future__ import annotations
@@ -34,8 +31,6 @@ __all__ = [
     "cast",
     "chunk_numel",
     "reduce_scatter_copy_in",
-    "reduce_scatter_copy_out",
-    "reduce_scatter_copy_out_accumulate",
 ]
 
 
@@ -77,17 +72,3 @@ def reduce_scatter_copy_in(
         padded = F.pad(cast(g.reshape(-1), dtype, scale), (0, world * chunk - g.numel()))
         rows.append(padded.view(world, chunk))
     return torch.cat(rows, dim=1).reshape(-1) if rows else torch.empty(0, dtype=dtype)
-
-
-def reduce_scatter_copy_out(
-    reduced: torch.Tensor, chunks: Sequence[int], dtype: torch.dtype, scale: float = 1.0
-) -> list[torch.Tensor]:
-    return [cast(piece, dtype, scale) for piece in reduced.split(list(chunks))]
-
-
-def reduce_scatter_copy_out_accumulate(
-    reduced: torch.Tensor, chunks: Sequence[int], scale: float, accumulate_into: Sequence[torch.Tensor]
-) -> list[torch.Tensor]:
-    """`accumulate_into[i] + reduce_scatter_copy_out(...)[i]`, each in `accumulate_into[i]`'s dtype."""
-    pieces = reduced.split(list(chunks))
-    return [acc + cast(p, acc.dtype, scale).view(acc.shape) for p, acc in zip(pieces, accumulate_into, strict=True)]

@@ -1,22 +1,21 @@
-"""One Triton kernel behind all four bucket copy ops: a strided, masked, casting row copy.
+"""One Triton kernel behind the three bucket copy ops: a strided, masked, casting row copy.
 
 Every op moves, for each parameter `i` of a bucket, `rows` rows of `chunk_i` elements between a
 per-parameter flat tensor and a flat bucket buffer whose rows are `bucket` elements long:
 
     pack   (copy-in):  dst[r * bucket + offset_i + j] = cast(src_i[r * chunk_i + j])   (0 past src_i's end)
-    unpack (copy-out): dst_i[r * chunk_i + j]        = cast(src[r * bucket + offset_i + j])  (dropped past dst_i's end)
+    unpack (copy-out): dst_i[r * chunk_i + j]        = src[r * bucket + offset_i + j]  (dropped past dst_i's end)
 
 with `rows = world` for the reduce-scatter copy-in and the all-gather copy-out and `rows = 1` for
-the other two. Each element is read once and written once; casts happen in registers.
+the all-gather copy-in. Each element is read once and written once; casts happen in registers.
 
-With an accumulator, the op adds `acc + cast(x)` in fp32 and rounds once to the output dtype, as
-torch adds two tensors of that dtype.
-
-[Note: exact bf16 rounding] Every value written as bf16 is rounded to nearest-even with integer bit arithmetic
-(add 0x7FFF plus the kept lowest bit, drop 16 bits; NaNs stay NaN), so the result equals torch's
-`.to(torch.bfloat16)` both on a GPU and in the CPU interpreter (whose own float cast does not
-round that way, see DESIGN.md). Other down-casts (to fp16) use Triton's cast: exact on a GPU,
-within 1 ulp in the interpreter -- the tests say so.
+[Note: exact bf16 rounding] Every value written as bf16 is rounded to nearest-even with integer bit
+arithmetic (add 0x7FFF plus the kept lowest bit, drop 16 bits; NaNs stay NaN), so the result equals
+torch's `.to(torch.bfloat16)` both on a GPU and in the CPU interpreter. The interpreter's own
+fp32 -> bf16 cast does not round like torch (on torch 2.13 with Triton 3.x, about half of random
+values came out 1 ulp off, also with `fp_downcast_rounding="rtne"`); a GPU's cast does. Other
+down-casts (to fp16) use Triton's cast: exact on a GPU, within 1 ulp in the interpreter -- the
+tests say so.
 """
 
 from __future__ import annotations
@@ -43,7 +42,6 @@ def _to_bf16_rtne(x):
 def _row_copy_kernel(
     src,
     dst,
-    acc,
     src_row_stride,
     src_offset,
     src_limit,
@@ -54,7 +52,6 @@ def _row_copy_kernel(
     scale,
     HAS_SCALE: tl.constexpr,
     DST_BF16: tl.constexpr,
-    ACCUMULATE: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
@@ -70,25 +67,16 @@ def _row_copy_kernel(
         y = _to_bf16_rtne(x.to(tl.float32))
     else:
         y = x.to(dst.dtype.element_ty)
-    if ACCUMULATE:  # acc + y, computed in fp32 and rounded once, as torch adds two `dst`-dtype tensors
-        total = y.to(tl.float32) + tl.load(acc + dst_index, mask=store, other=0.0).to(tl.float32)
-        if DST_BF16:
-            y = _to_bf16_rtne(total)
-        else:
-            y = total.to(dst.dtype.element_ty)
     tl.store(dst + dst_index, y, mask=store)
 
 
-def _launch(
-    src, dst, *, rows, src_stride, src_offset, src_limit, dst_stride, dst_offset, dst_limit, row_len, scale, acc=None
-):
+def _launch(src, dst, *, rows, src_stride, src_offset, src_limit, dst_stride, dst_offset, dst_limit, row_len, scale):
     if rows == 0 or row_len == 0:
         return
     grid = (rows, triton.cdiv(row_len, _BLOCK))
     _row_copy_kernel[grid](
         src,
         dst,
-        dst if acc is None else acc,
         src_stride,
         src_offset,
         src_limit,
@@ -99,7 +87,6 @@ def _launch(
         float(scale),
         HAS_SCALE=scale != 1.0,
         DST_BF16=dst.dtype == torch.bfloat16,
-        ACCUMULATE=acc is not None,
         BLOCK=_BLOCK,
     )
 
@@ -113,20 +100,10 @@ def pack(srcs: list[torch.Tensor], chunks: list[int], out: torch.Tensor, *, rows
         offset += chunk
 
 
-def unpack(
-    src: torch.Tensor,
-    chunks: list[int],
-    outs: list[torch.Tensor],
-    *,
-    rows: int,
-    scale: float = 1.0,
-    accumulate: list[torch.Tensor] | None = None,
-) -> None:
-    """Each flat contiguous `outs[i]` <- its `rows` chunks of the flat bucket buffer `src` (the inverse
-    of `pack`), plus `accumulate[i]` (flat, contiguous, like `outs[i]`) if given."""
+def unpack(src: torch.Tensor, chunks: list[int], outs: list[torch.Tensor], *, rows: int) -> None:
+    """Each flat contiguous `outs[i]` <- its `rows` chunks of the flat bucket buffer `src` (the inverse of `pack`)."""
     bucket, offset = sum(chunks), 0
-    accs = accumulate if accumulate is not None else [None] * len(outs)
-    for out, chunk, acc in zip(outs, chunks, accs, strict=True):
+    for out, chunk in zip(outs, chunks, strict=True):
         _launch(src, out, rows=rows, src_stride=bucket, src_offset=offset, src_limit=src.numel(), dst_stride=chunk,
-                dst_offset=0, dst_limit=out.numel(), row_len=chunk, scale=scale, acc=acc)  # fmt: skip
+                dst_offset=0, dst_limit=out.numel(), row_len=chunk, scale=1.0)  # fmt: skip
         offset += chunk

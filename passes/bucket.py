@@ -36,19 +36,22 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import fx
 
-import simplefsdp.kernels  # noqa: F401  (registers torch.ops.simplefsdp.*, the copy-in / copy-out ops)
-from simplefsdp._compat import resolve_process_group, stable_topological_sort, tree_leaves
-from simplefsdp.kernels.copy_ops import SUPPORTED_DTYPES
+from simplefsdp._compat import c10d_functional, resolve_process_group, stable_topological_sort, tree_leaves
+from simplefsdp.kernels.copy_ops import (
+    ALL_GATHER_COPY_IN,
+    ALL_GATHER_COPY_OUT,
+    REDUCE_SCATTER_COPY_IN,
+    SUPPORTED_DTYPES,
+)
 from simplefsdp.kernels.reference import chunk_numel
-from simplefsdp.passes.collectives import is_cast_or_pad, search
-from simplefsdp.passes.detect import FsdpAllGather, FsdpReduction
+from simplefsdp.passes.collectives import Collective, is_cast_or_pad
+from simplefsdp.passes.detect import FsdpAllGather
 from simplefsdp.passes.plan import Bucket
+from simplefsdp.passes.walk import reaches
 
 __all__ = ["apply_all_gather_buckets", "apply_reduction_buckets", "independent"]
 
 aten = torch.ops.aten
-c10d = torch.ops._c10d_functional
-simplefsdp_ops = torch.ops.simplefsdp  # registered by simplefsdp.kernels
 
 
 def _call(graph: fx.Graph, target, *args, **kwargs) -> fx.Node:
@@ -71,22 +74,17 @@ def _shape(node: fx.Node) -> list[int]:
     return list(node.meta["val"].shape)
 
 
-def independent(members: Sequence[FsdpAllGather | FsdpReduction]) -> bool:
+def independent(members: Sequence[Collective]) -> bool:
     """True if no member's input depends on another member's result: merging them cannot form a cycle."""
-    results = {m.collective for m in members} | {m.wait for m in members}
-    return not any(
-        search(m.collective.args[0], found=results.__contains__, expand=lambda n: n.all_input_nodes) for m in members
-    )
-
-
-Member = FsdpAllGather | FsdpReduction
+    results = {m.launch for m in members} | {m.wait for m in members}
+    return not any(reaches(m.sent, found=results.__contains__, follow=lambda n: n.all_input_nodes) for m in members)
 
 
 def _apply(
     graph: fx.Graph,
-    items: Sequence[Member],
+    items: Sequence[Collective],
     buckets: Sequence[Bucket],
-    merge: Callable[[fx.Graph, list[Member]], tuple[list[fx.Node], list[fx.Node]]],
+    merge: Callable[[fx.Graph, list[Collective]], tuple[list[fx.Node], list[fx.Node]]],
 ) -> int:
     """For each mergeable bucket, `merge` builds the merged collective and returns one replacement per
     member (the value its wait produced) and the cast / pad nodes it made redundant; the members
@@ -101,18 +99,18 @@ def _apply(
             member.wait.replace_all_uses_with(replacement)
         for member in members:
             graph.erase_node(member.wait)
-            graph.erase_node(member.collective)
+            graph.erase_node(member.launch)
         _erase_dead(graph, prep)
         removed += len(members) - 1
     stable_topological_sort(graph)
     return removed
 
 
-def _copy_ops_support(member: Member) -> bool:
+def _copy_ops_support(member: Collective) -> bool:
     """The bucket copy ops read and write `SUPPORTED_DTYPES` only: a member sending, or cast from,
     another dtype (fp64, float8) -- or whose tensors carry no traced metadata to tell -- keeps its
     own collective."""
-    sent = member.collective.args[0]
+    sent = member.sent
     source, _ = _unprepared(sent, pad_ok=lambda n: True)
     vals = [getattr(node, "meta", {}).get("val") for node in (sent, source)]
     return all(isinstance(v, torch.Tensor) and v.dtype in SUPPORTED_DTYPES for v in vals)
@@ -163,7 +161,7 @@ def _contiguous(graph: fx.Graph, node: fx.Node) -> fx.Node:
     return _call(graph, aten.clone.default, node, memory_format=torch.contiguous_format)
 
 
-def _unpack(graph: fx.Graph, pieces: fx.Node, members: list[Member]) -> list[fx.Node]:
+def _unpack(graph: fx.Graph, pieces: fx.Node, members: list[Collective]) -> list[fx.Node]:
     """Each flat piece reshaped like the member's original result."""
     return [
         _call(graph, aten.reshape.default, _getitem(graph, pieces, i), _shape(member.wait))
@@ -186,42 +184,42 @@ def _merge_all_gathers(graph: fx.Graph, members: list[FsdpAllGather]) -> tuple[l
     # graph's structure, and so every ordering decision, is the same on every rank.
     world, group = members[0].group_size, members[0].group_name
     rank = resolve_process_group(group).rank()
-    sent = [m.collective.args[0] for m in members]
+    sent = [m.sent for m in members]
     chunks = [math.prod(_shape(x)) for x in sent]
     dtype = sent[0].meta["val"].dtype
     chains = [_unprepared(x, pad_ok=_is_dim0_tail_pad) for x in sent]  # copy-in pads each to its chunk
-    with graph.inserting_before(members[0].collective):
+    with graph.inserting_before(members[0].launch):
         shards = [_call(graph, aten.reshape.default, _contiguous(graph, src), [-1]) for src, _ in chains]
-        buffer = _call(graph, simplefsdp_ops.all_gather_copy_in.default, shards, chunks, dtype, world, rank)
+        buffer = _call(graph, ALL_GATHER_COPY_IN, shards, chunks, dtype, world, rank)
         slot = _call(graph, aten.narrow.default, buffer, 0, rank * sum(chunks), sum(chunks))
-        gathered = _call(graph, c10d.all_gather_into_tensor_out.default, slot, world, group, out=buffer)
-        waited = _call(graph, c10d.wait_tensor.default, gathered)
+        gathered = _call(graph, c10d_functional.all_gather_into_tensor_out.default, slot, world, group, out=buffer)
+        waited = _call(graph, c10d_functional.wait_tensor.default, gathered)
         numels = [world * c for c in chunks]  # the padded full tensors; the graph strips padding after
-        pieces = _call(graph, simplefsdp_ops.all_gather_copy_out.default, waited, chunks, numels, world)
+        pieces = _call(graph, ALL_GATHER_COPY_OUT, waited, chunks, numels, world)
         out = _unpack(graph, pieces, members)
     return out, [node for _, chain in chains for node in chain]
 
 
-def _merge_reductions(graph: fx.Graph, members: list[FsdpReduction]) -> tuple[list[fx.Node], list[fx.Node]]:
+def _merge_reductions(graph: fx.Graph, members: list[Collective]) -> tuple[list[fx.Node], list[fx.Node]]:
     first = members[0]
     world, group, op = first.group_size, first.group_name, first.reduce_op
-    sent = [m.collective.args[0] for m in members]
+    sent = [m.sent for m in members]
     dtype = sent[0].meta["val"].dtype
     scatter = first.kind == "reduce_scatter"
     if scatter:
         chains = [_unprepared(x, pad_ok=lambda n: _pads_to_world_multiple(n, world)) for x in sent]
     else:  # an all-reduce bucket concatenates as they are: keep any pad
         chains = [_unprepared(x, pad_ok=lambda n: False) for x in sent]
-    with graph.inserting_before(members[-1].collective):
+    with graph.inserting_before(members[-1].launch):
         grads = [_contiguous(graph, src) for src, _ in chains]
         # an all-reduce bucket is the world-1 layout: plain concatenation
-        flat = _call(graph, simplefsdp_ops.reduce_scatter_copy_in.default, grads, world if scatter else 1, dtype, 1.0)
+        flat = _call(graph, REDUCE_SCATTER_COPY_IN, grads, world if scatter else 1, dtype, 1.0)
         if scatter:
-            reduced = _call(graph, c10d.reduce_scatter_tensor.default, flat, op, world, group)
+            reduced = _call(graph, c10d_functional.reduce_scatter_tensor.default, flat, op, world, group)
         else:
-            reduced = _call(graph, c10d.all_reduce.default, flat, op, group)
+            reduced = _call(graph, c10d_functional.all_reduce.default, flat, op, group)
         chunks = [math.prod(_shape(x)) // (world if scatter else 1) for x in sent]
-        waited = _call(graph, c10d.wait_tensor.default, reduced)
+        waited = _call(graph, c10d_functional.wait_tensor.default, reduced)
         # each shard is a contiguous run of the reduced slot, in the same dtype: views, no copy-out
         # (the cast back to the master dtype stays where the graph has it)
         pieces = _call(graph, aten.split_with_sizes.default, waited, chunks)
@@ -234,6 +232,6 @@ def apply_all_gather_buckets(graph: fx.Graph, gathers: Sequence[FsdpAllGather], 
     return _apply(graph, gathers, buckets, _merge_all_gathers)
 
 
-def apply_reduction_buckets(graph: fx.Graph, reductions: Sequence[FsdpReduction], buckets: Sequence[Bucket]) -> int:
+def apply_reduction_buckets(graph: fx.Graph, reductions: Sequence[Collective], buckets: Sequence[Bucket]) -> int:
     """Merge each multi-member bucket of `reductions` (all one kind); returns how many collectives were removed."""
     return _apply(graph, reductions, buckets, _merge_reductions)

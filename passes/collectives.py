@@ -1,36 +1,60 @@
-"""Small predicates over FX nodes for the functional collectives simplefsdp's graphs contain.
+"""The functional collectives of a traced graph: one typed view of a collective node, and predicates.
 
-These work on the graphs torch.compile hands to aot_autograd compilers and to inductor's
-post-grad passes: nodes whose target is a `torch.ops._c10d_functional` overload.
+The graphs torch.compile hands to aot_autograd compilers and to inductor's post-grad passes hold
+collectives as `_c10d_functional` nodes: a launch (`all_gather_into_tensor[_out]`,
+`reduce_scatter_tensor`, `all_reduce`) whose result is read through a `wait_tensor`.
+`parse_collective(node)` decodes a launch's arguments once -- kind, process group (name, size,
+member ranks), reduce op, the dtype and bytes it sends, the full buffer's bytes, its wait and the
+parameter it serves -- and every pass and view (detect, reorder, cost, inspect) reads that
+`Collective` instead of argument positions.
+
+[Note: which parameter a collective serves]
+`simplefsdp.gather` traces each parameter's gather under `fx.traceback.annotate`, so every node of
+it -- the cast, the all-gather, its wait, and the backward's reduction -- carries
+`node.meta["custom"][OWNER_KEY]` = the parameter's FQN. The bucket plans group collectives by it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import operator
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Collection
+from typing import Literal
 
 import torch
+import torch.distributed as dist
 from torch import fx
 
-import simplefsdp.kernels  # noqa: F401  (registers torch.ops.simplefsdp.*)
-from simplefsdp._compat import OpOverload, OpOverloadPacket
+from simplefsdp._compat import OpOverload, OpOverloadPacket, c10d_functional, resolve_process_group
+from simplefsdp.gather import OWNER_KEY
+from simplefsdp.kernels.copy_ops import ALL_GATHER_COPY_IN, ALL_GATHER_COPY_OUT, REDUCE_SCATTER_COPY_IN
+from simplefsdp.passes.walk import reaches
 
 __all__ = [
+    "Collective",
+    "CollectiveKind",
     "collective_counts",
-    "collective_dtype",
+    "collective_kind",
     "derives_from_all_gather",
+    "find_collectives",
+    "group_ranks",
     "is_all_gather",
     "is_all_reduce",
+    "is_bucket_copy",
     "is_cast_or_pad",
+    "is_collective",
+    "is_communication",
+    "is_data_movement",
     "is_reduce_scatter",
     "is_view_of_input",
     "is_wait",
+    "owner_of",
+    "parse_collective",
     "passes_value_through",
-    "search",
 ]
 
-_c10d = torch.ops._c10d_functional
+CollectiveKind = Literal["all_gather", "reduce_scatter", "all_reduce"]
 
 
 def _is_call(node: fx.Node, packet: OpOverloadPacket) -> bool:
@@ -39,42 +63,169 @@ def _is_call(node: fx.Node, packet: OpOverloadPacket) -> bool:
 
 def is_all_gather(node: fx.Node) -> bool:
     """An all-gather launch: out-of-place, or in place on a buffer (`..._out`, what merged buckets use)."""
-    return _is_call(node, _c10d.all_gather_into_tensor) or _is_call(node, _c10d.all_gather_into_tensor_out)
+    return _is_call(node, c10d_functional.all_gather_into_tensor) or _is_call(
+        node, c10d_functional.all_gather_into_tensor_out
+    )
 
 
 def is_reduce_scatter(node: fx.Node) -> bool:
-    return _is_call(node, _c10d.reduce_scatter_tensor)
+    return _is_call(node, c10d_functional.reduce_scatter_tensor)
 
 
 def is_all_reduce(node: fx.Node) -> bool:
-    return _is_call(node, _c10d.all_reduce)
+    return _is_call(node, c10d_functional.all_reduce)
 
 
 def is_wait(node: fx.Node) -> bool:
-    return _is_call(node, _c10d.wait_tensor)
+    return _is_call(node, c10d_functional.wait_tensor)
 
 
-_KINDS = {
-    "all_gather": is_all_gather,
-    "reduce_scatter": is_reduce_scatter,
-    "all_reduce": is_all_reduce,
-    "wait": is_wait,
-}
+def is_collective(node: fx.Node) -> bool:
+    """A collective launch of a kind `parse_collective` reads (not its wait)."""
+    return is_all_gather(node) or is_reduce_scatter(node) or is_all_reduce(node)
 
 
-def collective_counts(gm: fx.GraphModule) -> Counter[str]:
-    """How many nodes of each collective kind (`all_gather`, `reduce_scatter`, `all_reduce`, `wait`) `gm` has."""
-    counts: Counter[str] = Counter({kind: 0 for kind in _KINDS})
-    for node in gm.graph.nodes:
-        for kind, predicate in _KINDS.items():
-            if predicate(node):
-                counts[kind] += 1
+def is_communication(node: fx.Node) -> bool:
+    """Any functional-collective op -- a launch of any kind (also those `parse_collective` does not
+    read, e.g. all-to-all) or a wait: work of the communication streams, not of the compute stream."""
+    return node.op == "call_function" and getattr(node.target, "namespace", "") == "_c10d_functional"
+
+
+_BUCKET_COPIES = {ALL_GATHER_COPY_IN, ALL_GATHER_COPY_OUT, REDUCE_SCATTER_COPY_IN}
+
+
+def is_bucket_copy(node: fx.Node) -> bool:
+    """One of simplefsdp's bucket copy ops (`kernels/copy_ops.py`): communication plumbing, not model compute."""
+    return node.op == "call_function" and node.target in _BUCKET_COPIES
+
+
+def owner_of(node: fx.Node) -> str:
+    """FQN of the parameter whose gather traced `node` ([Note: which parameter a collective serves]);
+    "" if unknown."""
+    return node.meta.get("custom", {}).get(OWNER_KEY, "")
+
+
+def _nbytes(value: torch.Tensor) -> int:
+    return value.numel() * value.dtype.itemsize
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Collective:
+    """One collective launch of a graph, decoded (see the module docstring).
+
+    Invariant: `launch` is a collective launch node and `wait`, when not None, is its only user.
+    """
+
+    launch: fx.Node
+    kind: CollectiveKind
+    group_name: str
+    group_size: int
+    reduce_op: str | None  # "sum", "avg", ...; None for an all-gather
+    wait: fx.Node | None  # the launch's single user, a wait_tensor; None if it has other users
+
+    @property
+    def sent(self) -> fx.Node:
+        """The node whose value this rank sends."""
+        return self.launch.args[0]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.sent.meta["val"].dtype
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes this rank sends."""
+        return _nbytes(self.sent.meta["val"])
+
+    @property
+    def full_nbytes(self) -> int:
+        """Bytes of the full buffer: the gathered output of an all-gather, the reduced input of a reduction
+        (what the alpha-beta cost model charges)."""
+        return _nbytes(self.launch.meta["val"] if self.kind == "all_gather" else self.sent.meta["val"])
+
+    @property
+    def owner(self) -> str:
+        return owner_of(self.launch)
+
+    def ranks(self) -> tuple[int, ...]:
+        """Global ranks of the process group (needs that group to exist in this process)."""
+        return group_ranks(self.group_name)
+
+    def in_groups(self, groups: Collection[tuple[int, ...]] | None) -> bool:
+        """On one of `groups` (each named by its members' global ranks); any group if None."""
+        return groups is None or self.ranks() in groups
+
+
+def group_ranks(group_name: str) -> tuple[int, ...]:
+    """Global ranks of the process group a graph names (needs that group to exist in this process)."""
+    return tuple(dist.get_process_group_ranks(resolve_process_group(str(group_name))))
+
+
+def _single_wait(node: fx.Node) -> fx.Node | None:
+    users = list(node.users)
+    return users[0] if len(users) == 1 and is_wait(users[0]) else None
+
+
+def collective_kind(node: fx.Node) -> CollectiveKind | None:
+    """The kind of collective `node` launches, None if it launches none (reads no process group)."""
+    if is_all_gather(node):
+        return "all_gather"
+    if is_reduce_scatter(node):
+        return "reduce_scatter"
+    if is_all_reduce(node):
+        return "all_reduce"
+    return None
+
+
+def parse_collective(node: fx.Node) -> Collective | None:
+    """The typed view of `node` if it is a collective launch, else None. An all-reduce names no group
+    size in the graph: it is read from the live process group."""
+    kind = collective_kind(node)
+    if kind == "all_gather":  # (input, group_size, group_name[, out=])
+        reduce_op, group_size, group_name = None, node.args[1], node.args[2]
+    elif kind == "reduce_scatter":  # (input, reduce_op, group_size, group_name)
+        reduce_op, group_size, group_name = node.args[1:4]
+    elif kind == "all_reduce":  # (input, reduce_op, group_name)
+        reduce_op, group_name = node.args[1:3]
+        group_size = resolve_process_group(str(group_name)).size()
+    else:
+        return None
+    return Collective(
+        launch=node,
+        kind=kind,
+        group_name=str(group_name),
+        group_size=int(group_size),
+        reduce_op=None if reduce_op is None else str(reduce_op),
+        wait=_single_wait(node),
+    )
+
+
+def find_collectives(
+    graph: fx.Graph,
+    *,
+    kinds: Collection[CollectiveKind] | None = None,
+    groups: Collection[tuple[int, ...]] | None = None,
+) -> list[Collective]:
+    """The collective launches of `graph` (of `kinds`, on `groups`; all if None), in graph order."""
+    found = []
+    for node in graph.nodes:
+        kind = collective_kind(node)
+        if kind is None or (kinds is not None and kind not in kinds):
+            continue
+        collective = parse_collective(node)
+        if collective.in_groups(groups):
+            found.append(collective)
+    return found
+
+
+def collective_counts(graph: fx.Graph) -> Counter[str]:
+    """How many nodes of each kind (`all_gather`, `reduce_scatter`, `all_reduce`, `wait`) `graph` has."""
+    counts: Counter[str] = Counter({"all_gather": 0, "reduce_scatter": 0, "all_reduce": 0, "wait": 0})
+    for node in graph.nodes:
+        kind = collective_kind(node) or ("wait" if is_wait(node) else None)
+        if kind is not None:
+            counts[kind] += 1
     return counts
-
-
-def collective_dtype(node: fx.Node) -> torch.dtype:
-    """dtype of the tensor a collective node sends (its first argument), from the traced metadata."""
-    return node.args[0].meta["val"].dtype
 
 
 _PASSTHROUGH_TARGETS = {
@@ -84,10 +235,9 @@ _PASSTHROUGH_TARGETS = {
     torch.ops.prims.convert_element_type.default,
     operator.getitem,
     # simplefsdp's bucket copy ops (kernels/): move, cast and pad only
-    torch.ops.simplefsdp.all_gather_copy_in.default,
-    torch.ops.simplefsdp.all_gather_copy_out.default,
-    torch.ops.simplefsdp.reduce_scatter_copy_in.default,
-    torch.ops.simplefsdp.reduce_scatter_copy_out.default,
+    ALL_GATHER_COPY_IN,
+    ALL_GATHER_COPY_OUT,
+    REDUCE_SCATTER_COPY_IN,
 }
 
 
@@ -113,6 +263,14 @@ def passes_value_through(node: fx.Node) -> bool:
     return isinstance(target, OpOverload) and target.is_view
 
 
+def is_data_movement(node: fx.Node) -> bool:
+    """An op that only moves, views, casts or pads data (not a wait): what may travel with a collective's
+    launch, and what a shard passes through on its way to an all-gather."""
+    if node.op != "call_function" or is_wait(node):
+        return False
+    return passes_value_through(node) or is_cast_or_pad(node)
+
+
 _RESHAPES = {torch.ops.aten.reshape.default, torch.ops.aten._unsafe_view.default}
 
 
@@ -128,23 +286,9 @@ def is_view_of_input(node: fx.Node) -> bool:
     return node.target is operator.getitem or bool(getattr(node.target, "is_view", False))
 
 
-def search(start: fx.Node, *, found: Callable[[fx.Node], bool], expand: Callable[[fx.Node], Iterable[fx.Node]]) -> bool:
-    """Depth-first search from `start`: True once a node satisfies `found`; `expand` gives the next nodes."""
-    stack, seen = [start], set()
-    while stack:
-        current = stack.pop()
-        if current in seen:
-            continue
-        seen.add(current)
-        if found(current):
-            return True
-        stack.extend(expand(current))
-    return False
-
-
 def derives_from_all_gather(node: fx.Node) -> bool:
     """True if `node`'s value is an all-gather's output, seen through waits, views, casts, copies and concats.
 
     Used to check that a forward graph saves no gathered weight for backward (FULL_SHARD).
     """
-    return search(node, found=is_all_gather, expand=lambda n: n.all_input_nodes if passes_value_through(n) else ())
+    return reaches(node, found=is_all_gather, follow=lambda n: n.all_input_nodes if passes_value_through(n) else ())

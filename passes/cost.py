@@ -31,18 +31,26 @@ import dataclasses
 
 import torch
 from torch import fx
-from torch.utils.flop_counter import flop_registry
 
-from simplefsdp._compat import tree_leaves
+from simplefsdp._compat import flop_registry, tree_leaves
 from simplefsdp.passes.collectives import (
-    is_cast_or_pad,
+    Collective,
+    is_communication,
+    is_data_movement,
     is_reduce_scatter,
     is_view_of_input,
     is_wait,
-    passes_value_through,
 )
 
-__all__ = ["PROFILES", "DeviceProfile", "collective_seconds", "compute_between", "node_seconds", "profile"]
+__all__ = [
+    "PROFILES",
+    "DeviceProfile",
+    "collective_seconds",
+    "compute_between",
+    "node_seconds",
+    "profile",
+    "seconds_of",
+]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -85,12 +93,18 @@ def collective_seconds(device: DeviceProfile, *, kind: str, nbytes: int, world: 
     return device.latency_s + factor * (world - 1) / world * nbytes / device.bus_bytes_per_s
 
 
+def seconds_of(device: DeviceProfile, collective: Collective) -> float:
+    """`collective_seconds` of a traced collective: its full buffer over its group."""
+    return collective_seconds(device, kind=collective.kind, nbytes=collective.full_nbytes, world=collective.group_size)
+
+
 def _tensor_bytes(value: object) -> int:
     return sum(t.numel() * t.dtype.itemsize for t in tree_leaves(value) if isinstance(t, torch.Tensor))
 
 
 def _moves_no_data(node: fx.Node) -> bool:
-    return is_view_of_input(node) or getattr(node.target, "namespace", "") == "_c10d_functional"
+    """Views, and collectives with their waits (a collective is costed by `seconds_of`, not as compute)."""
+    return is_view_of_input(node) or is_communication(node)
 
 
 def node_seconds(device: DeviceProfile, node: fx.Node) -> float:
@@ -118,8 +132,7 @@ def _sized_by_this_rank(graph: fx.Graph) -> set[fx.Node]:
         if node.op != "call_function":
             continue
         inputs = node.all_input_nodes
-        moves_data = (passes_value_through(node) or is_cast_or_pad(node)) and not is_wait(node)
-        if moves_data and inputs and all(i.op == "placeholder" or i in prep for i in inputs):
+        if is_data_movement(node) and inputs and all(i.op == "placeholder" or i in prep for i in inputs):
             prep.add(node)
         if any(i in scattered or (is_wait(i) and is_reduce_scatter(i.args[0])) for i in inputs):
             scattered.add(node)

@@ -18,10 +18,12 @@ from torch import fx
 from simplefsdp._compat import CustomGraphPass
 from simplefsdp.passes import cost
 from simplefsdp.passes.bucket import apply_all_gather_buckets, apply_reduction_buckets
+from simplefsdp.passes.collectives import Collective
 from simplefsdp.passes.detect import find_fsdp_all_gathers, find_fsdp_reductions
 from simplefsdp.passes.plan import (
     Bucket,
     Candidate,
+    MergeKey,
     check_plan,
     plan_by_blocks,
     plan_by_cap,
@@ -30,7 +32,7 @@ from simplefsdp.passes.plan import (
 )
 from simplefsdp.passes.reorder import ReorderConfig, reorder_all_gathers, reorder_reductions
 
-__all__ = ["BucketConfig", "FsdpPass", "PassConfig"]
+__all__ = ["BucketConfig", "FsdpPass", "PassConfig", "plan_buckets"]
 
 logger = logging.getLogger(__name__)
 
@@ -42,7 +44,7 @@ class BucketConfig:
     """Which plan (see `plan.py`) decides the buckets.
 
     - `"blocks"` (default): one bucket per repeated block in `blocks` (e.g. from
-      `find_repeated_blocks(model)`, which `wrap()` fills in; with none found, `wrap()` switches
+      `simplefsdp.blocks.find_repeated_blocks(model)`, which `wrap()` fills in; with none found, `wrap()` switches
       to `"cap"`), one for the other parameters;
     - `"patterns"`: one bucket per module-FQN pattern in `patterns`;
     - `"cap"`: graph order, at most `cap_bytes` per bucket;
@@ -69,26 +71,6 @@ class BucketConfig:
         if self.cap_bytes <= 0:
             raise ValueError(f"cap_bytes must be positive, got {self.cap_bytes}")
         cost.profile(self.device)  # an unknown profile name fails here, naming the known ones
-
-    def make_plan(self, candidates: list[Candidate], *, compute_s: list[float]) -> list[Bucket]:
-        """`compute_s[i]`: seconds of compute overlapping candidate `i`'s collective (for `"auto"`)."""
-        if self.plan == "blocks":
-            buckets = plan_by_blocks(candidates, blocks=self.blocks)
-        elif self.plan == "patterns":
-            buckets = plan_by_patterns(candidates, patterns=self.patterns)
-        elif self.plan == "cap":
-            buckets = plan_by_cap(candidates, cap_bytes=self.cap_bytes)
-        else:
-            device = cost.profile(self.device)
-
-            def comm_s(key: tuple, nbytes: int) -> float:
-                kind, world = key[0], key[-2]  # keys end with (..., group_size, dtype), see FsdpPass
-                full = nbytes * world if kind == "all_gather" else nbytes
-                return cost.collective_seconds(device, kind=kind, nbytes=full, world=world)
-
-            buckets = plan_by_cost(candidates, compute_s=compute_s, comm_s=comm_s, cap_bytes=self.cap_bytes)
-        check_plan(candidates, buckets)
-        return buckets
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -141,9 +123,10 @@ class FsdpPass(CustomGraphPass):
         # shards, one group) would otherwise share a cache entry: on a warm cache shared by the
         # ranks of a host, rank 1 would run rank 0's code and send a buffer that overlaps the
         # wrong slot of the output. The global rank separates them; everything else in the key is
-        # what the pass does. (On torch 2.13 these graphs' FX cache key already differs between
-        # two processes of the same rank -- seen: a second identical compile misses -- so today
-        # AOTAutograd's per-rank key is what is reused; this keeps the ranks apart if that changes.)
+        # what the pass does. (On torch 2.13 the FX cache key of these graphs already differs
+        # between two processes of the same rank -- an identical second compile misses -- so the
+        # entry reused is AOTAutograd's, keyed per rank by [Note: per-rank AOTAutograd cache keys
+        # for DTensor inputs]; the rank here keeps ranks apart should the FX key become stable.)
         groups = sorted(self.groups) if self.groups is not None else None
         rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else None
         key = f"simplefsdp-pass-{_VERSION}-{self.config}-{groups}-rank{rank}"
@@ -154,35 +137,40 @@ def _bucket(graph: fx.Graph, config: BucketConfig, groups: frozenset[tuple[int, 
     removed = 0
     if config.bucket_all_gathers:
         gathers = find_fsdp_all_gathers(graph, groups=groups)
-        cands = [
-            Candidate(i, ("all_gather", g.group_name, g.group_size, g.dtype), g.nbytes, g.owner)
-            for i, g in enumerate(gathers)
-        ]
-        compute = _compute_windows(graph, [g.collective for g in gathers], config, after=True)
-        removed += apply_all_gather_buckets(graph, gathers, config.make_plan(cands, compute_s=compute))
+        removed += apply_all_gather_buckets(graph, gathers, plan_buckets(graph, gathers, config))
     if config.bucket_reductions:
         reductions = find_fsdp_reductions(graph, groups=groups)
-        cands = [
-            Candidate(i, (r.kind, r.reduce_op, r.group_name, r.group_size, r.dtype), r.nbytes, r.owner)
-            for i, r in enumerate(reductions)
-        ]
-        compute = _compute_windows(graph, [r.collective for r in reductions], config, after=False)
-        if config.plan == "auto":  # a reduction overlaps the compute that *follows* it: plan in reverse
-            reverse = [dataclasses.replace(c, index=len(cands) - 1 - c.index) for c in reversed(cands)]
-            plan = config.make_plan(reverse, compute_s=compute[::-1])
-            plan = [Bucket(tuple(sorted(len(cands) - 1 - i for i in b.members))) for b in plan]
-            plan = sorted(plan, key=lambda b: b.members[0])
-            check_plan(cands, plan)
-        else:
-            plan = config.make_plan(cands, compute_s=compute)
-        removed += apply_reduction_buckets(graph, reductions, plan)
+        removed += apply_reduction_buckets(graph, reductions, plan_buckets(graph, reductions, config))
     return removed
 
 
-def _compute_windows(graph: fx.Graph, collectives: list[fx.Node], config: BucketConfig, *, after: bool) -> list[float]:
-    """Roofline seconds of the compute between consecutive `collectives` (graph order): for each,
-    the stretch up to the next one (`after`) or since the previous one. Zeros unless the plan is auto."""
-    if config.plan != "auto" or not collectives:
-        return [0.0] * len(collectives)
-    windows = cost.compute_between(cost.profile(config.device), graph, collectives)
-    return windows[1:] if after else windows[:-1]
+def _merge_key(collective: Collective) -> MergeKey:
+    return MergeKey(
+        kind=collective.kind,
+        group_name=collective.group_name,
+        group_size=collective.group_size,
+        dtype=collective.dtype,
+        reduce_op=collective.reduce_op,
+    )
+
+
+def plan_buckets(graph: fx.Graph, found: list[Collective], config: BucketConfig) -> list[Bucket]:
+    """The buckets `config`'s plan makes of `found` (collectives of `graph`, in graph order), checked."""
+    candidates = [Candidate(index=i, key=_merge_key(c), nbytes=c.nbytes, owner=c.owner) for i, c in enumerate(found)]
+    if config.plan == "blocks":
+        buckets = plan_by_blocks(candidates, blocks=config.blocks)
+    elif config.plan == "patterns":
+        buckets = plan_by_patterns(candidates, patterns=config.patterns)
+    elif config.plan == "cap":
+        buckets = plan_by_cap(candidates, cap_bytes=config.cap_bytes)
+    else:
+        device = cost.profile(config.device)
+
+        def comm_s(key: MergeKey, nbytes: int) -> float:
+            full = nbytes * key.group_size if key.kind == "all_gather" else nbytes
+            return cost.collective_seconds(device, kind=key.kind, nbytes=full, world=key.group_size)
+
+        windows = cost.compute_between(device, graph, [c.launch for c in found]) if found else [0.0]
+        buckets = plan_by_cost(candidates, windows_s=windows, comm_s=comm_s, cap_bytes=config.cap_bytes)
+    check_plan(candidates, buckets)
+    return buckets

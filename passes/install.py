@@ -2,7 +2,7 @@
 
 [Note: how a plain `torch.compile(model)` picks up the pass]
 Inductor runs the pass found in `torch._inductor.config.post_grad_custom_post_pass` when it
-compiles a graph. `install()` gives the wrapped root module a subclass whose `forward` sets that
+compiles a graph. `attach_pass()` gives the wrapped root module a subclass whose `forward` sets that
 config (chained with whatever pass is already there) for the duration of the call and then runs
 the original `forward`. That `forward` is wrapped with `_compat.eager_top_frame`: Dynamo runs it
 eagerly when it is the top frame (`torch.compile(model)`, `model.compile()`) and compiles the
@@ -42,14 +42,15 @@ from simplefsdp._compat import (
     functorch_config,
     inductor_config,
 )
+from simplefsdp.class_swap import subclass
 from simplefsdp.passes.fsdp_pass import FsdpPass
 
-__all__ = ["ChainedPass", "active", "configured_passes", "install", "pass_of"]
+__all__ = ["ChainedPass", "active", "attach_pass", "chained_with", "configured_passes", "pass_of"]
 
 _PASS_ATTR = "_simplefsdp_pass"
 
 
-def _aware(graph_pass: object) -> bool:
+def _takes_is_inference(graph_pass: object) -> bool:
     return CustomInferenceAwareGraphPass is not None and isinstance(graph_pass, CustomInferenceAwareGraphPass)
 
 
@@ -64,7 +65,7 @@ class ChainedPass(CustomInferenceAwareGraphPass or CustomGraphPass):
 
     def __call__(self, graph: fx.Graph, is_inference: bool = False) -> None:
         for graph_pass in self.passes:
-            if _aware(graph_pass):
+            if _takes_is_inference(graph_pass):
                 graph_pass(graph, is_inference=is_inference)
             else:
                 graph_pass(graph)
@@ -87,7 +88,9 @@ def configured_passes(current: object) -> tuple[object, ...]:
     return (current,)
 
 
-def _with(ours: FsdpPass, current: object) -> CustomGraphPass:
+def chained_with(ours: FsdpPass, current: object) -> CustomGraphPass:
+    """The setting that runs `ours` first, then the passes `current` holds (`current` itself if it
+    already holds `ours`: a nested call of the same model)."""
     existing = configured_passes(current)
     if any(p is ours for p in existing):
         return current  # nested call of the same model: already installed
@@ -95,7 +98,7 @@ def _with(ours: FsdpPass, current: object) -> CustomGraphPass:
 
 
 def pass_of(model: nn.Module) -> FsdpPass | None:
-    """The pass `install()` attached to `model` (None if passes are off or `model` is not a wrapped root)."""
+    """The pass `attach_pass()` attached to `model` (None if passes are off or `model` is not a wrapped root)."""
     return getattr(model, _PASS_ATTR, None)
 
 
@@ -110,10 +113,10 @@ def active(model: nn.Module) -> Iterator[FsdpPass | None]:
     if graph_pass is None:
         yield None
         return
-    patch = {"post_grad_custom_post_pass": _with(graph_pass, inductor_config.post_grad_custom_post_pass)}
+    patch = {"post_grad_custom_post_pass": chained_with(graph_pass, inductor_config.post_grad_custom_post_pass)}
     if graph_pass.config.reorder is not None:
-        # Inductor's peak-memory reordering sinks each all-gather back to its wait (seen in the
-        # generated code), undoing the prefetch; the pass bounds its extra memory itself.
+        # Inductor's peak-memory reordering sinks each all-gather back to its wait (visible in the
+        # generated code on torch 2.13), undoing the prefetch; the pass bounds its extra memory itself.
         patch["reorder_for_peak_memory"] = False
     with inductor_config.patch(patch), functorch_config.patch(force_non_lazy_backward_lowering=True):
         yield graph_pass
@@ -164,7 +167,8 @@ def _fresh_code(function: types.FunctionType) -> types.FunctionType:
 
 @functools.cache
 def _compiling_class(cls: type[nn.Module], pass_key: str) -> type[nn.Module]:
-    """`cls` with a `forward` that runs under the pass keyed `pass_key` (its `uuid()`)."""
+    """`cls` with a `forward` that runs under the pass keyed `pass_key` (its `uuid()`), named
+    `PassOnCompile[<cls>]` so a traceback or `repr` says what was added."""
     original_forward = cls.forward
 
     def compiled_entry(self, *args, **kwargs):
@@ -182,10 +186,12 @@ def _compiling_class(cls: type[nn.Module], pass_key: str) -> type[nn.Module]:
             _leave(stack)
 
     forward.__doc__ = original_forward.__doc__
-    return type(cls.__name__, (cls,), {"forward": eager_top_frame(forward), "__module__": cls.__module__})
+    return subclass(
+        cls, adds="PassOnCompile", attrs={"forward": eager_top_frame(forward), "__module__": cls.__module__}
+    )
 
 
-def install(model: nn.Module, graph_pass: FsdpPass | None) -> None:
+def attach_pass(model: nn.Module, graph_pass: FsdpPass | None) -> None:
     """Attach `graph_pass` to the wrapped root `model` so its compiles run it (None: passes off)."""
     setattr(model, _PASS_ATTR, graph_pass)
     if graph_pass is not None:

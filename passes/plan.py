@@ -1,17 +1,20 @@
 """Bucket plans: which FSDP collectives merge into one. Pure functions, no graph mutation.
 
 A plan is a list of `Bucket`s over `Candidate`s (the collectives `detect.py` finds, in graph
-order). Three ways to plan:
+order). Four ways to plan:
 
 - `plan_by_blocks`  (default, zero configuration): one bucket per repeated block of the model
-  (`find_repeated_blocks`: the children of a `ModuleList` of identical modules) and one for every
-  parameter outside them;
+  (`simplefsdp.blocks.find_repeated_blocks`: the children of a container of identical modules) and
+  one for every parameter outside them;
 - `plan_by_patterns` (manual): one bucket per entry of a list of module-FQN patterns, e.g.
   `["tok_embeddings", "layers.*", "norm+output"]` (`*` matches within one FQN level per block, `+`
-  joins alternatives into one bucket);
+  joins alternatives into one bucket; `simplefsdp.blocks.match_pattern`);
 - `plan_by_cap` (size-driven): candidates in graph order, per merge key, up to a byte cap;
 - `plan_by_cost` (auto): contiguous runs per merge key chosen by dynamic programming to minimise
   the communication a cost model (`cost.py`) says is left exposed, under a byte cap.
+
+The planners read candidates only: sizes, merge keys, owners (parameter FQNs). Which blocks or
+patterns a model has is the caller's input (`simplefsdp/blocks.py` reads the model).
 
 Invariants of every plan (checked by `check_plan`, and by hypothesis in the tests):
 - it partitions the candidates: each is in exactly one bucket;
@@ -24,30 +27,42 @@ Invariants of every plan (checked by `check_plan`, and by hypothesis in the test
 from __future__ import annotations
 
 import dataclasses
-import fnmatch
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Sequence
 
-from torch import nn
+import torch
+
+from simplefsdp.blocks import block_of, match_pattern
 
 __all__ = [
     "Bucket",
     "Candidate",
+    "MergeKey",
     "check_plan",
-    "find_repeated_blocks",
     "plan_by_blocks",
     "plan_by_cap",
     "plan_by_cost",
     "plan_by_patterns",
-    "validate_patterns",
 ]
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MergeKey:
+    """What collectives must share to merge into one: the same kind of collective, on the same
+    process group, in the same dtype, with the same reduce op."""
+
+    kind: str  # "all_gather", "reduce_scatter" or "all_reduce"
+    group_name: str
+    group_size: int
+    dtype: torch.dtype
+    reduce_op: str | None = None  # None for all-gathers
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class Candidate:
     """One collective the planner may bucket."""
 
     index: int  # position in graph order
-    key: Hashable  # only candidates with equal keys may share a bucket
+    key: MergeKey  # only candidates with equal keys may share a bucket
     nbytes: int  # bytes this rank sends
     owner: str = ""  # fully qualified name of the parameter, "" if unknown
 
@@ -57,27 +72,9 @@ class Bucket:
     members: tuple[int, ...]  # candidate indices, ascending
 
 
-_CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
-
-
-def find_repeated_blocks(model: nn.Module) -> list[str]:
-    """FQNs of the children of every `ModuleList`, `Sequential` or `ModuleDict` with at least two
-    children, all of one class: `layers.0` (a Llama's ModuleList), `layer1.0` (a ResNet stage's
-    Sequential), `layers.3` (a ModuleDict keyed by layer id). Outer containers come first, as in
-    `named_modules()`, so a plan that takes the first block owning a parameter takes the outer one."""
-    blocks = []
-    for fqn, module in model.named_modules():
-        children = list(module.named_children())
-        same_class = len({type(child) for _, child in children}) == 1
-        if isinstance(module, _CONTAINERS) and len(children) > 1 and same_class:
-            prefix = f"{fqn}." if fqn else ""
-            blocks.extend(prefix + name for name, _ in children)
-    return blocks
-
-
 def _split_by_key(group: Sequence[Candidate]) -> list[Bucket]:
     """One bucket per merge key within `group`, each in graph order."""
-    by_key: dict[Hashable, list[int]] = {}
+    by_key: dict[MergeKey, list[int]] = {}
     for cand in sorted(group, key=lambda c: c.index):
         by_key.setdefault(cand.key, []).append(cand.index)
     return [Bucket(tuple(members)) for members in by_key.values()]
@@ -87,16 +84,12 @@ def _ordered(buckets: list[Bucket]) -> list[Bucket]:
     return sorted((b for b in buckets if b.members), key=lambda b: b.members[0])
 
 
-def _owned_by(owner: str, prefix: str) -> bool:
-    return owner == prefix or owner.startswith(prefix + ".")
-
-
 def plan_by_blocks(candidates: Sequence[Candidate], *, blocks: Sequence[str]) -> list[Bucket]:
     """One bucket per block prefix in `blocks` (split by merge key), one for the rest."""
     groups: dict[str, list[Candidate]] = {block: [] for block in blocks}
     rest: list[Candidate] = []
     for cand in candidates:
-        block = next((b for b in blocks if _owned_by(cand.owner, b)), None)
+        block = block_of(cand.owner, blocks)
         (groups[block] if block is not None else rest).append(cand)
     return _ordered([b for group in [*groups.values(), rest] for b in _split_by_key(group)])
 
@@ -112,33 +105,12 @@ def plan_by_patterns(candidates: Sequence[Candidate], *, patterns: Sequence[str]
     groups: dict[tuple[int, str], list[Candidate]] = {}
     rest: list[Candidate] = []
     for cand in candidates:
-        hit = _match(cand.owner, patterns)
+        hit = match_pattern(cand.owner, patterns)
         if hit is None:
             rest.append(cand)
         else:
             groups.setdefault(hit, []).append(cand)
     return _ordered([b for group in [*groups.values(), rest] for b in _split_by_key(group)])
-
-
-def _match(owner: str, patterns: Sequence[str]) -> tuple[int, str] | None:
-    """(pattern index, matched module prefix) of the first pattern matching `owner` or one of its prefixes."""
-    parts = owner.split(".")
-    prefixes = [".".join(parts[:i]) for i in range(1, len(parts) + 1)]
-    for i, pattern in enumerate(patterns):
-        for alternative in pattern.split("+"):
-            for prefix in prefixes:
-                if fnmatch.fnmatchcase(prefix, alternative.strip()):
-                    # a wildcard alternative buckets per matched block; a plain entry buckets as a whole
-                    return (i, prefix if "*" in alternative else pattern)
-    return None
-
-
-def validate_patterns(patterns: Sequence[str], model: nn.Module) -> None:
-    """`ValueError` naming every pattern that matches no parameter of `model` (a typo would silently unbucket)."""
-    fqns = [fqn for fqn, _ in model.named_parameters()]
-    unused = [p for p in patterns if not any(_match(fqn, [p]) for fqn in fqns)]
-    if unused:
-        raise ValueError(f"bucket patterns {unused} match no parameter of {type(model).__name__}; e.g. {fqns[:4]}")
 
 
 def plan_by_cap(candidates: Sequence[Candidate], *, cap_bytes: int) -> list[Bucket]:
@@ -149,7 +121,7 @@ def plan_by_cap(candidates: Sequence[Candidate], *, cap_bytes: int) -> list[Buck
     if cap_bytes <= 0:
         raise ValueError(f"cap_bytes must be positive, got {cap_bytes}")
     buckets: list[list[Candidate]] = []
-    open_bucket: dict[Hashable, list[Candidate]] = {}
+    open_bucket: dict[MergeKey, list[Candidate]] = {}
     for cand in sorted(candidates, key=lambda c: c.index):
         current = open_bucket.get(cand.key)
         if current is not None and sum(c.nbytes for c in current) + cand.nbytes <= cap_bytes:
@@ -166,36 +138,49 @@ _MAX_BUCKET_LEN = 64  # bounds the dynamic program's work at O(n * 64^2) per mer
 def plan_by_cost(
     candidates: Sequence[Candidate],
     *,
-    compute_s: Sequence[float],
-    comm_s: Callable[[Hashable, int], float],
+    windows_s: Sequence[float],
+    comm_s: Callable[[MergeKey, int], float],
     cap_bytes: int,
 ) -> list[Bucket]:
-    """Buckets that minimise exposed communication when bucket k's collective overlaps bucket
-    k - 1's compute (prefetch depth 1; pass reduce-scatters in reverse launch order so that "k - 1"
-    is the bucket whose compute follows).
+    """Buckets that minimise the communication a cost model says is left exposed.
 
-    `compute_s[i]` is the compute attributed to candidate `i` (list position, graph order);
-    `comm_s(key, nbytes)` the seconds of one collective of that key moving `nbytes`. Per merge key,
-    over that key's candidates in order, a bucket `[s, e)` costs
+    `candidates` are in graph order; `windows_s` has one more entry than they do: the seconds of
+    compute before the first candidate, between each two and after the last (`cost.compute_between`).
+    `comm_s(key, nbytes)` is the seconds of one collective of that key in which each rank sends `nbytes`.
+
+    The model: each bucket's collective runs behind the compute attributed to the bucket that runs
+    before it (prefetch depth 1). An all-gather is needed by the compute after it, so its candidate's
+    compute is the window after it and buckets are taken in graph order: bucket k is prefetched
+    during bucket k - 1's compute. A reduction is launched after the compute that produced its
+    gradients and runs behind the compute that follows, so its candidate's compute is the window
+    before it and buckets are taken in reverse: the bucket launched last overlaps nothing, each
+    earlier one the compute of the bucket after it.
+
+    Per merge key, over that key's candidates in that order, a bucket `[s, e)` costs
     `max(0, comm_s(bytes[s:e]) - compute[p:s])` where `[p, s)` is the bucket before it (the first
-    bucket overlaps nothing), plus a tiny charge per bucket so ties prefer fewer collectives.
-    Buckets stay within `cap_bytes` (a single oversize candidate gets its own) and hold at most 64
-    members. Deterministic: it reads only its arguments.
+    overlaps nothing), plus a tiny charge per bucket so ties prefer fewer collectives. Buckets stay
+    within `cap_bytes` (a single oversize candidate gets its own) and hold at most 64 members.
+    Deterministic: it reads only its arguments.
     """
     if cap_bytes <= 0:
         raise ValueError(f"cap_bytes must be positive, got {cap_bytes}")
-    if len(compute_s) != len(candidates):
-        raise ValueError(f"compute_s has {len(compute_s)} entries for {len(candidates)} candidates")
-    ordered = sorted(range(len(candidates)), key=lambda i: candidates[i].index)
-    by_key: dict[Hashable, list[int]] = {}
-    for i in ordered:
-        by_key.setdefault(candidates[i].key, []).append(i)
+    if len(windows_s) != len(candidates) + 1:
+        raise ValueError(f"windows_s has {len(windows_s)} entries for {len(candidates)} candidates (expected one more)")
+    if [c.index for c in candidates] != sorted(c.index for c in candidates):
+        raise ValueError("plan_by_cost takes candidates in graph order")
+    by_key: dict[MergeKey, list[int]] = {}
+    for position, cand in enumerate(candidates):
+        by_key.setdefault(cand.key, []).append(position)
     buckets = []
     for key, positions in by_key.items():
-        sizes = [candidates[i].nbytes for i in positions]
-        compute = [compute_s[i] for i in positions]
+        if key.kind == "all_gather":
+            compute = [windows_s[p + 1] for p in positions]
+        else:
+            positions = positions[::-1]
+            compute = [windows_s[p] for p in positions]
+        sizes = [candidates[p].nbytes for p in positions]
         for s, e in _best_runs(sizes, compute, lambda n, key=key: comm_s(key, n), cap_bytes):
-            buckets.append(Bucket(tuple(candidates[i].index for i in positions[s:e])))
+            buckets.append(Bucket(tuple(sorted(candidates[p].index for p in positions[s:e]))))
     return _ordered(buckets)
 
 

@@ -39,11 +39,12 @@ import dataclasses
 import operator
 from collections.abc import Collection, Iterable
 
-import torch
 from torch import fx
 
-from simplefsdp.passes.collectives import is_all_gather, is_cast_or_pad, is_wait, passes_value_through
-from simplefsdp.passes.detect import find_fsdp_reductions, group_ranks
+from simplefsdp.kernels.copy_ops import ALL_GATHER_COPY_OUT
+from simplefsdp.passes.collectives import find_collectives, is_data_movement
+from simplefsdp.passes.detect import find_fsdp_reductions
+from simplefsdp.passes.walk import upstream, walk
 
 __all__ = ["ReorderConfig", "reorder_all_gathers", "reorder_reductions"]
 
@@ -66,20 +67,15 @@ class ReorderConfig:
             raise ValueError(f"max_in_flight_bytes must be positive, got {self.max_in_flight_bytes}")
 
 
-def _is_data_movement(node: fx.Node) -> bool:
-    if node.op != "call_function" or is_wait(node):
-        return False
-    return passes_value_through(node) or is_cast_or_pad(node)
-
-
-_COPY_OUT = {torch.ops.simplefsdp.all_gather_copy_out.default, torch.ops.simplefsdp.reduce_scatter_copy_out.default}
-
-
 def _is_unpack(node: fx.Node) -> bool:
-    """An op that unpacks a waited result: a view (`reshape`, `getitem`, `slice`, ...) or a bucket copy-out."""
+    """An op that unpacks a waited result: a view (`reshape`, `getitem`, `slice`, ...) or the bucket copy-out."""
     if node.op != "call_function":
         return False
-    return node.target is operator.getitem or node.target in _COPY_OUT or bool(getattr(node.target, "is_view", False))
+    return (
+        node.target is operator.getitem
+        or node.target is ALL_GATHER_COPY_OUT
+        or bool(getattr(node.target, "is_view", False))
+    )
 
 
 # [Note: node order] FX nodes compare by their position in the graph (`a < b`: `a` comes first),
@@ -91,46 +87,31 @@ def _move_before(anchor: fx.Node, nodes: Iterable[fx.Node]) -> None:
         anchor.prepend(node)
 
 
-def _gather_launch_chain(collective: fx.Node) -> list[fx.Node] | None:
-    """The data-movement ops from graph inputs to `collective`'s input, or None if real compute feeds it."""
-    chain, stack, seen = [], list(collective.all_input_nodes), set()
-    while stack:
-        node = stack.pop()
-        if node in seen or node.op in ("placeholder", "get_attr"):
-            continue
-        seen.add(node)
-        if not _is_data_movement(node):
-            return None
-        chain.append(node)
-        stack.extend(node.all_input_nodes)
-    return chain
+def _gather_launch_chain(launch: fx.Node) -> list[fx.Node] | None:
+    """The data-movement ops from graph inputs to an all-gather's input, or None if real compute feeds it."""
+    region = upstream(launch, through=is_data_movement)
+    if any(node.op not in ("placeholder", "get_attr") for node in region.boundary):
+        return None
+    return region.inside
 
 
-def _reduction_launch_chain(collective: fx.Node) -> list[fx.Node]:
-    """The data-movement ops between the gradients' producers and `collective`'s input."""
-    chain, stack, seen = [], list(collective.all_input_nodes), set()
-    while stack:
-        node = stack.pop()
-        if node in seen or not _is_data_movement(node):
-            continue
-        seen.add(node)
-        chain.append(node)
-        stack.extend(node.all_input_nodes)
-    return chain
+def _reduction_launch_chain(launch: fx.Node) -> list[fx.Node]:
+    """The data-movement ops between the gradients' producers and a reduction's input."""
+    return upstream(launch, through=is_data_movement).inside
 
 
 def _landing(wait: fx.Node) -> tuple[list[fx.Node], list[fx.Node]]:
-    """(unpacking views fed only by `wait`, the other users of wait and those views)."""
-    landing, consumers, stack = {wait}, [], list(wait.users)
-    while stack:
-        node = stack.pop()
-        if node in landing or node in consumers:
-            continue
-        if _is_unpack(node) and all(i in landing for i in node.all_input_nodes):
+    """(unpacking ops fed only by `wait` and each other, the other users of wait and those ops)."""
+    landing = {wait}
+
+    def follow(node: fx.Node) -> Iterable[fx.Node]:
+        if node is wait or (_is_unpack(node) and all(i in landing for i in node.all_input_nodes)):
             landing.add(node)
-            stack.extend(node.users)
-        else:
-            consumers.append(node)
+            return node.users
+        return ()
+
+    reached = list(walk([wait], follow=follow))  # classifies as it goes: read `landing` once done
+    consumers = [node for node in reached if node not in landing]
     landing.discard(wait)
     return list(landing), consumers
 
@@ -150,7 +131,7 @@ def _out_bytes(node: fx.Node) -> int:
 
 @dataclasses.dataclass
 class _Gather:
-    collective: fx.Node
+    launch: fx.Node
     wait: fx.Node
     chain: list[fx.Node]
     landing: list[fx.Node]
@@ -158,18 +139,17 @@ class _Gather:
 
 
 def _prefetchable_gathers(graph: fx.Graph, groups: Collection[tuple[int, ...]] | None) -> list[_Gather]:
+    """All-gathers on `groups` (another parallelism's, e.g. tensor parallel's, are not ours to move)
+    whose input is data movement from graph inputs, with their wait and its users, by first use."""
     found = []
-    for node in graph.nodes:
-        if not is_all_gather(node) or len(node.users) != 1 or not is_wait(next(iter(node.users))):
+    for gather in find_collectives(graph, kinds=("all_gather",), groups=groups):
+        if gather.wait is None:
             continue
-        if groups is not None and group_ranks(node.args[2]) not in groups:
-            continue  # another parallelism's all-gather (tensor parallel's): not ours to move
-        chain = _gather_launch_chain(node)
-        wait = next(iter(node.users))
-        landing, consumers = _landing(wait)
+        chain = _gather_launch_chain(gather.launch)
+        landing, consumers = _landing(gather.wait)
         if chain is None or not consumers:
             continue
-        found.append(_Gather(node, wait, chain, landing, min(consumers)))
+        found.append(_Gather(gather.launch, gather.wait, chain, landing, min(consumers)))
     return sorted(found, key=lambda g: g.first_use)
 
 
@@ -190,9 +170,9 @@ def reorder_all_gathers(
         anchor_index = max(j - depth, previous_anchor)
         previous_anchor = anchor_index
         anchor = gathers[anchor_index].wait
-        if anchor_index == j or g.collective < anchor:
+        if anchor_index == j or g.launch < anchor:
             continue  # no prefetch asked for, or already launched early enough: never delay a launch
-        _move_before(anchor, [n for n in g.chain if n > anchor] + [g.collective])
+        _move_before(anchor, [n for n in g.chain if n > anchor] + [g.launch])
         moved += 1
     return moved
 
@@ -204,13 +184,13 @@ def reorder_reductions(
     late as the budget allows; returns how many waits moved."""
     reductions = find_fsdp_reductions(graph, groups=groups)
     for r in reductions:  # as soon as possible: each chain node right after its latest input
-        for node in sorted([*_reduction_launch_chain(r.collective), r.collective]):
+        for node in sorted([*_reduction_launch_chain(r.launch), r.launch]):
             inputs = node.all_input_nodes
             if inputs and (latest := max(inputs)).next is not node:
                 latest.append(node)
-    reductions.sort(key=lambda r: r.collective)
-    launch_of = [min([*_reduction_launch_chain(r.collective), r.collective]) for r in reductions]
-    sizes = [_out_bytes(r.collective.args[0]) for r in reductions]
+    reductions.sort(key=lambda r: r.launch)
+    launch_of = [min([*_reduction_launch_chain(r.launch), r.launch]) for r in reductions]
+    sizes = [_out_bytes(r.sent) for r in reductions]
     moved = 0
     for i, r in enumerate(reductions):
         landing, consumers = _landing(r.wait)
@@ -230,7 +210,7 @@ def reorder_reductions(
         elif anchor < r.wait:
             # launching early (above) put a later reduction's launch before this wait, past the
             # budget: wait first -- but never before this reduction's own launch
-            target = anchor if anchor > r.collective else r.collective.next
+            target = anchor if anchor > r.launch else r.launch.next
             if target < r.wait:
                 _move_before(target, [r.wait, *landing])
                 moved += 1

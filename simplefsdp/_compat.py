@@ -1,21 +1,31 @@
-"""Every private torch API simplefsdp touches, imported in this one file.
+"""Every private torch API simplefsdp touches, reached through this one file.
 
-A torch upgrade that moves one of these breaks this file and nothing else. Each import names the
-torch versions it was checked against. Only 2.13 (the CPU machines) has been available so far; the GPU
-machines carry 2.11, where none of these has been run yet.
+A torch upgrade that moves one of these breaks this file and nothing else. Each entry names the
+torch versions it was checked on: 2.13 is what the CPU development machines carry and every entry
+runs there in the test suite; 2.11 (the GPU machines' version) has not been run yet.
+
+ATen operators whose names start with an underscore (`aten._to_copy`, `aten._scaled_dot_product_*`)
+are not listed: they are operators of the traced graphs, not Python internals. Python-level private
+functions (`torch._foreach_copy_`, `torch._chunk_cat`) are.
 """
 
 from __future__ import annotations
+
+import re
+import weakref
+
+import torch
 
 # Compiler configuration and the post-grad pass hook: inductor's and functorch's config modules
 # (scoped `.patch(...)` only, never assigned globally) and the `CustomGraphPass` base class whose
 # `uuid()` keys the FX graph cache. Checked on 2.13.
 import torch._functorch.config as functorch_config
 import torch._inductor.config as inductor_config
+import torch.distributed as dist
 
-# aot_autograd backend factory and inductor's partitioner, used to capture the forward/backward
-# graphs torch.compile produces (graph inspection and graph-structure tests).
-# torch._dynamo.backends.common.aot_autograd: checked on 2.13.
+# aot_autograd backend factory and inductor's partitioner: the debugging backend
+# "simplefsdp_aot_eager" partitions as inductor does. torch._dynamo.backends.common.aot_autograd,
+# torch._functorch.partitioners.min_cut_rematerialization_partition: checked on 2.13.
 from torch._dynamo.backends.common import aot_autograd
 
 # Register a named torch.compile backend ("simplefsdp_aot_eager"). torch._dynamo.register_backend:
@@ -58,58 +68,32 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.distributed_c10d import _resolve_process_group as resolve_process_group
 
 # Placement of a dim sharded by two mesh dims where the left one shards the right one's chunks
-# (FSDP over TP on the same tensor dim), and the root mesh a submesh was sliced from.
-# torch.distributed.tensor.placement_types._StridedShard, DeviceMesh._get_root_mesh: checked on 2.13.
+# (FSDP over TP on the same tensor dim). torch.distributed.tensor.placement_types._StridedShard:
+# checked on 2.13.
 from torch.distributed.tensor.placement_types import _StridedShard as StridedShard
 
 # torch.utils._pytree: tree_map over (args, kwargs) for the mixed-precision input cast, leaves of FX args.
 # Stable since 2.0; checked on 2.13.
 from torch.utils._pytree import tree_leaves, tree_map_only
 
+# FLOP formulas per ATen op (matmuls, convolutions, attention), keyed by OpOverloadPacket: what the
+# cost model and the schedule view count compute with. torch.utils.flop_counter.flop_registry
+# (undocumented): checked on 2.13.
+from torch.utils.flop_counter import flop_registry
 
-# [Note: per-rank AOTAutograd cache keys for DTensor inputs]
-# torch 2.13 (and, per the torch issue, earlier releases) keys the AOTAutograd cache entry of a DTensor
-# input by `DTensor._stable_hash_for_caching`, which hashes the DTensorSpec (mesh, placements,
-# *global* shape) only (pytorch/pytorch#188390). Ranks
-# that share a cache directory (every rank of a node does by default) then share entries although
-# their traced graphs differ: an uneven shard has a rank-dependent local shape, and on a 2-D mesh the
-# process-group names baked into the graph differ by rank. Seen here: on a warm cache one rank loaded
-# another's graph and failed a size assert, another could not resolve a group name, a third hung
-# in a collective. The override below appends what the spec leaves out -- this rank's local shape
-# and stride, its mesh coordinate and the group names of the mesh dims -- so ranks whose graphs can
-# differ get different keys, and ranks whose graphs are identical still share. It only ever makes
-# keys more specific (never a wrong hit where torch had none), and it is installed by `wrap()`.
-def _rank_aware_stable_hash(self) -> str:
-    import hashlib
+# The functional collectives of traced graphs: `torch.ops._c10d_functional.<op>` (all_gather_into_tensor,
+# all_gather_into_tensor_out, reduce_scatter_tensor, all_reduce, wait_tensor). Schemas checked on 2.13:
+# all_gather_into_tensor(input, group_size, group_name), all_gather_into_tensor_out(input, group_size,
+# group_name, *, out), reduce_scatter_tensor(input, reduce_op, group_size, group_name),
+# all_reduce(input, reduce_op, group_name), wait_tensor(tensor).
+c10d_functional = torch.ops._c10d_functional
 
-    mesh = self.device_mesh
-    local = self._local_tensor
-    extra = (
-        tuple(local.shape),
-        tuple(local.stride()),
-        tuple(mesh.get_coordinate() or ()),
-        tuple(mesh.get_group(dim).group_name for dim in range(mesh.ndim)),
-    )
-    data = (_torch_stable_hash(self) if _torch_stable_hash else _spec_summary(self)) + repr(extra)
-    return hashlib.blake2b(data.encode(), digest_size=16).hexdigest()
-
-
-def _spec_summary(self) -> str:
-    """What torch's own hash covers, for a torch without `DTensor._stable_hash_for_caching`."""
-    return repr((self.device_mesh.mesh.tolist(), self.placements, tuple(self.shape), self.dtype, self.requires_grad))
-
-
-def install_rank_aware_dtensor_cache_keys() -> None:
-    """Install the override of [Note: per-rank AOTAutograd cache keys for DTensor inputs]; idempotent."""
-    from torch.distributed.tensor import DTensor
-
-    global _torch_stable_hash
-    current = getattr(DTensor, "_stable_hash_for_caching", None)
-    if getattr(current, "_simplefsdp_rank_aware", False):
-        return
-    _torch_stable_hash = current
-    _rank_aware_stable_hash._simplefsdp_rank_aware = True
-    DTensor._stable_hash_for_caching = _rank_aware_stable_hash
+# Multi-tensor kernels the CPU copy ops run (the same ones FSDP2's eager copies use): `_foreach_copy_`
+# copies (and casts) a list of tensors into a list of views in one call; `_chunk_cat` pads each tensor's
+# dim 0 to a multiple of `num_chunks` and interleaves the chunks. torch._foreach_copy_, torch._chunk_cat:
+# checked on 2.13.
+foreach_copy_ = torch._foreach_copy_
+chunk_cat = torch._chunk_cat
 
 
 def root_mesh(mesh):
@@ -117,20 +101,139 @@ def root_mesh(mesh):
     return mesh._get_root_mesh()
 
 
-def fake_store():
-    """A `FakeStore` for the "fake" process-group backend: one process traces any world size.
-
-    torch.testing._internal.distributed.fake_pg: checked on 2.13. Importing it registers
-    the "fake" backend with torch.distributed, so it is imported lazily, only when asked for.
-    """
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    return FakeStore()
+def unwrap_compiled(module: torch.nn.Module) -> torch.nn.Module:
+    """The module itself for what `torch.compile(module)` returned (an `OptimizedModule`, whose state-dict
+    keys would carry an `_orig_mod.` prefix), else `module`. `OptimizedModule._orig_mod`: checked on 2.13."""
+    return getattr(module, "_orig_mod", module)
 
 
-_torch_stable_hash = None  # torch's own DTensor._stable_hash_for_caching, once replaced
+_STACK_PART = re.compile(r"\[['\"]?([^'\"\]]+)['\"]?\]")
+
+
+def module_fqn(node: torch.fx.Node) -> str:
+    """FQN of the innermost module `node` was traced in ("" at the root or if unknown).
+
+    Read from Dynamo's `nn_module_stack` (`fwd_nn_module_stack` in a backward graph): an ordered dict
+    whose values are `(path, type)` with paths such as `L['self'].layers[0].attention` or
+    `L['self']._modules['x']`. Format checked on 2.13."""
+    stack = node.meta.get("nn_module_stack") or node.meta.get("fwd_nn_module_stack") or {}
+    if not stack:
+        return ""
+    path = next(reversed(stack.values()))[0]
+    path = path.removeprefix("L['self']").replace("._modules", "")
+    return _STACK_PART.sub(r".\1", path).strip(".")
+
+
+# What a DCP `.metadata` pickle may name besides torch dtypes (see checkpoint/safe_reader.py): DCP's
+# metadata dataclasses, the filesystem writer's per-item storage record, the layout decoder and plain
+# containers. Checked on 2.13 (the names DCP's FileSystemWriter pickles there).
+_DCP_METADATA = "torch.distributed.checkpoint.metadata"
+DCP_METADATA_GLOBALS: frozenset[tuple[str, str]] = frozenset(
+    {
+        (_DCP_METADATA, "Metadata"),
+        (_DCP_METADATA, "TensorStorageMetadata"),
+        (_DCP_METADATA, "BytesStorageMetadata"),
+        (_DCP_METADATA, "ChunkStorageMetadata"),
+        (_DCP_METADATA, "TensorProperties"),
+        (_DCP_METADATA, "MetadataIndex"),
+        (_DCP_METADATA, "StorageMeta"),
+        (_DCP_METADATA, "_MEM_FORMAT_ENCODING"),
+        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+        ("torch.serialization", "_get_layout"),  # maps a layout's name to the torch.layout
+        ("torch", "Size"),
+        ("collections", "OrderedDict"),
+        ("pathlib", "PosixPath"),
+        ("pathlib", "WindowsPath"),
+        ("pathlib", "PurePosixPath"),
+        ("pathlib", "PureWindowsPath"),
+    }
+)
+
+
+def _major_minor(version: str) -> tuple[int, int]:
+    """(2, 13) for "2.13.0+cpu", "2.13.0a0+git1234" or "2.13.0.dev20260101"."""
+    major, minor = version.split(".")[:2]
+    return int(major), int("".join(c for c in minor if c.isdigit()) or 0)
+
+
+def init_fake_process_group(*, rank: int, world_size: int) -> None:
+    """Join torch's "fake" process group as `rank` of `world_size`: collectives trace but move no data,
+    so one process can trace any world size.
+
+    From torch 2.13, `init_process_group("fake")` without a store makes its own (checked on 2.13).
+    Older releases need a store: the fallback takes the `FakeStore` from
+    `torch.testing._internal.distributed.fake_pg`, the only place torch defines one (importing it
+    also registers the backend); there is no public alternative there."""
+    if _major_minor(torch.__version__) >= (2, 13):
+        dist.init_process_group("fake", rank=rank, world_size=world_size)
+        return
+    from torch.testing._internal.distributed.fake_pg import FakeStore  # pragma: no cover - torch < 2.13
+
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)  # pragma: no cover
+
+
+# [Note: per-rank AOTAutograd cache keys for DTensor inputs]
+# torch 2.13 (and, per the torch issue, earlier releases) keys the AOTAutograd cache entry of a
+# DTensor input by `DTensor._stable_hash_for_caching`, which hashes the DTensorSpec (mesh,
+# placements, *global* shape) only (pytorch/pytorch#188390). Ranks that share a cache directory
+# (every rank of a node does by default) then share entries although their traced graphs differ: an
+# uneven shard has a rank-dependent local shape, and on a 2-D mesh the process-group names baked
+# into the graph differ by rank. Observed on 2.13 with gloo: on a warm cache one rank loaded
+# another's graph and failed a size assert, another could not resolve a group name, a third hung in
+# a collective.
+# The fix appends what the spec leaves out -- this rank's local shape and stride, its mesh
+# coordinate and the group names of the mesh dims -- so ranks whose graphs can differ get different
+# keys and ranks whose graphs are identical still share. It only ever makes keys more specific (never
+# a wrong hit where torch had none).
+# How narrow it can be: torch calls the method on the fake copies of the graph's inputs that Dynamo
+# makes (not on the parameters themselves), so it cannot be set per parameter; it has to be on the
+# class. It changes the key only of DTensors on a mesh `wrap()` sharded parameters over (the fake
+# copies keep their parameter's mesh object); every other DTensor gets torch's own key, unchanged
+# (on a torch without the method, where AOTAutograd would hash the tensor its own way, a summary of
+# its spec).
+_RANK_AWARE_MESHES: weakref.WeakSet = weakref.WeakSet()
+_torch_stable_hash = None  # torch's own DTensor._stable_hash_for_caching, once wrapped
+
+
+def _rank_aware_stable_hash(self) -> str:
+    import hashlib
+
+    own = _torch_stable_hash(self) if _torch_stable_hash is not None else _spec_summary(self)
+    mesh = self.device_mesh
+    if mesh not in _RANK_AWARE_MESHES:
+        return own
+    local = self._local_tensor
+    extra = (
+        tuple(local.shape),
+        tuple(local.stride()),
+        tuple(mesh.get_coordinate() or ()),
+        tuple(mesh.get_group(dim).group_name for dim in range(mesh.ndim)),
+    )
+    return hashlib.blake2b((own + repr(extra)).encode(), digest_size=16).hexdigest()
+
+
+def _spec_summary(self) -> str:
+    """What torch's own hash covers, for a torch without `DTensor._stable_hash_for_caching`."""
+    return repr((self.device_mesh.mesh.tolist(), self.placements, tuple(self.shape), self.dtype, self.requires_grad))
+
+
+def use_rank_aware_cache_keys(mesh) -> None:
+    """Give DTensors on `mesh` the cache key of [Note: per-rank AOTAutograd cache keys for DTensor
+    inputs]. Idempotent: the class method is wrapped once per process, a mesh registered once.
+    `DTensor._stable_hash_for_caching`: checked on 2.13."""
+    from torch.distributed.tensor import DTensor
+
+    global _torch_stable_hash
+    _RANK_AWARE_MESHES.add(mesh)
+    current = getattr(DTensor, "_stable_hash_for_caching", None)
+    if current is _rank_aware_stable_hash:
+        return
+    _torch_stable_hash = current
+    DTensor._stable_hash_for_caching = _rank_aware_stable_hash
+
 
 __all__ = [
+    "DCP_METADATA_GLOBALS",
     "CustomGraphPass",
     "CustomInferenceAwareGraphPass",
     "FakeTensorMode",
@@ -138,12 +241,16 @@ __all__ = [
     "OpOverloadPacket",
     "StridedShard",
     "aot_autograd",
+    "c10d_functional",
+    "chunk_cat",
     "eager_top_frame",
-    "fake_store",
+    "flop_registry",
+    "foreach_copy_",
     "functorch_config",
     "inductor_config",
-    "install_rank_aware_dtensor_cache_keys",
+    "init_fake_process_group",
     "min_cut_rematerialization_partition",
+    "module_fqn",
     "register_backend",
     "resolve_process_group",
     "root_mesh",
@@ -151,4 +258,6 @@ __all__ = [
     "stable_topological_sort",
     "tree_leaves",
     "tree_map_only",
+    "unwrap_compiled",
+    "use_rank_aware_cache_keys",
 ]

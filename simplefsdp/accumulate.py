@@ -28,13 +28,15 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-__all__ = ["Accumulation", "accumulating_gather", "attach", "no_sync"]
+from simplefsdp.class_swap import user_class
+
+__all__ = ["Accumulation", "add_pending", "attach", "no_sync", "tap"]
 
 _STATE_ATTR = "_simplefsdp_accumulation"
 
@@ -51,6 +53,10 @@ class Accumulation:
     @property
     def deferring(self) -> bool:
         return self.depth > 0
+
+    def take_pending(self, fqn: str) -> torch.Tensor | None:
+        """The deferred gradient sum of parameter `fqn`, removed from the state (None if there is none)."""
+        return self.pending.pop(fqn, None)
 
     def add_parameter(self, fqn: str, param: DTensor, *, grad_dtype: torch.dtype) -> None:
         """Track `param`, whose deferred gradient accumulates in `grad_dtype`."""
@@ -94,17 +100,14 @@ class _AddPending(torch.autograd.Function):
         return (grad.to(pending.dtype) + pending).to(grad.dtype), None
 
 
-def accumulating_gather(
-    state: Accumulation | None, fqn: str, param: DTensor, gather: Callable[[DTensor], torch.Tensor]
-) -> torch.Tensor:
-    """`gather(param)`, routed through the accumulation state (see the module note)."""
-    if state is None or not param.requires_grad or not torch.is_grad_enabled():
-        return gather(param)  # no backward will run: pending gradients wait for one that does
-    if state.deferring:
-        return _Tap.apply(gather(param.detach()), state.sinks[fqn])
-    pending = state.pending.pop(fqn, None)
-    full = gather(param)
-    return full if pending is None else _AddPending.apply(full, pending)
+def tap(full: torch.Tensor, sink: torch.Tensor) -> torch.Tensor:
+    """`full`, whose gradient accumulates in `sink.grad` instead of flowing back (see the module note)."""
+    return _Tap.apply(full, sink)
+
+
+def add_pending(full: torch.Tensor, pending: torch.Tensor) -> torch.Tensor:
+    """`full`, whose gradient gets the deferred sum `pending` added before the reduction."""
+    return _AddPending.apply(full, pending)
 
 
 def attach(model: nn.Module, state: Accumulation) -> None:
@@ -129,7 +132,7 @@ def no_sync(model: nn.Module, *, enabled: bool = True) -> Iterator[None]:
     state = getattr(model, _STATE_ATTR, None)
     if state is None:
         raise ValueError(
-            f"simplefsdp.no_sync() needs the model simplefsdp.wrap() returned; {type(model).__name__} "
+            f"simplefsdp.no_sync() needs the model simplefsdp.wrap() returned; {user_class(model).__name__} "
             "is not a wrapped root"
         )
     if not enabled:

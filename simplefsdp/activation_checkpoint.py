@@ -9,8 +9,8 @@ a selective-checkpoint policy. A block's parameters are gathered inside the chec
 so in backward the recomputation re-gathers them: with FULL_SHARD that re-gather is the one the
 backward needs anyway (under torch.compile the partitioner sees a single recomputed gather; the
 graph tests count one re-gather per block), and nothing gathered is kept between forward and
-backward. The block keeps its class (a subclass is swapped in, as `wrap()` does), its name and
-its parameters' names, so state dicts and optimizers do not change.
+backward. The block keeps its class (a subclass, `Checkpointed[<class>]`, is swapped in, as `wrap()`
+does), its name and its parameters' names, so state dicts and optimizers do not change.
 
 [Note: why "full" saves random ops]
 With torch 2.13, compiling a checkpointed region that recomputes an op tagged
@@ -34,7 +34,8 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from simplefsdp.passes.plan import find_repeated_blocks
+from simplefsdp.blocks import find_repeated_blocks
+from simplefsdp.class_swap import subclass, user_class
 
 __all__ = ["checkpoint_blocks"]
 
@@ -91,8 +92,8 @@ def _checkpointed_forward(self: nn.Module, *args: object, **kwargs: object) -> o
 
 @functools.cache
 def _checkpointed_class(cls: type[nn.Module]) -> type[nn.Module]:
-    attrs = {"forward": _checkpointed_forward, _ORIGINAL_ATTR: cls}
-    return type(f"Checkpointed{cls.__name__}", (cls,), attrs)
+    attrs = {"forward": _checkpointed_forward, _ORIGINAL_ATTR: cls, "__module__": __name__}
+    return subclass(cls, adds="Checkpointed", attrs=attrs)
 
 
 def checkpoint_blocks(
@@ -122,13 +123,13 @@ def checkpoint_blocks(
     names = list(find_repeated_blocks(model) if blocks is None else blocks)
     if not names:
         raise ValueError(
-            f"{type(model).__name__} has no repeated blocks (children of a ModuleList of one class); "
+            f"{user_class(model).__name__} has no repeated blocks (children of a ModuleList of one class); "
             "name the modules to checkpoint with blocks=[...]"
         )
     modules = dict(model.named_modules())
     unknown = [name for name in names if name not in modules]
     if unknown:
-        raise ValueError(f"no submodules named {unknown} in {type(model).__name__}")
+        raise ValueError(f"no submodules named {unknown} in {user_class(model).__name__}")
     again = [name for name in names if hasattr(type(modules[name]), _ORIGINAL_ATTR)]
     if again:
         raise ValueError(f"blocks {again} are already checkpointed")

@@ -1,7 +1,16 @@
 """The one function that turns a sharded parameter into the full tensor a module computes with.
 
 `gather_full(param, spec)` is called at every attribute access of a wrapped parameter (see
-`parametrize.py`). Under torch.compile it is traced, so each call becomes, in the graph:
+`parametrize.py`) and says, in order, what one access does:
+
+1. a tied parameter already gathered in this forward of the wrapped root: reuse that value (`tied.py`);
+2. gather over the data-parallel mesh (a tensor-parallel parameter: over dp only, then re-read as
+   the TP DTensor its module expects, `tensor_parallel.py`) -- inside `no_sync`, from a detached
+   shard, the gradient tapped into a sink instead of reduced; after it, with the deferred sum
+   added to the gradient (`accumulate.py`);
+3. a tied parameter: keep the value for the rest of this forward.
+
+Under torch.compile it is traced, so each gather becomes, in the graph:
 
     forward:  [cast to param_dtype] -> all_gather_into_tensor -> wait_tensor -> (unpad) -> compute
     backward: [cast to reduce_dtype] -> reduce_scatter_tensor / all_reduce -> wait_tensor -> [cast back]
@@ -36,9 +45,9 @@ import torch.fx.traceback as fx_traceback
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate
 from torch.utils.checkpoint import checkpoint
 
-from simplefsdp.accumulate import Accumulation, accumulating_gather
+from simplefsdp import accumulate, tied
+from simplefsdp.accumulate import Accumulation
 from simplefsdp.tensor_parallel import TensorParallelLayout
-from simplefsdp.tied import gather_once
 
 __all__ = ["OWNER_KEY", "GatherSpec", "gather_full"]
 
@@ -78,37 +87,34 @@ class GatherSpec:
         return (Partial(self.reduce_op),) * self.mesh_ndim
 
 
-def _redistribute(param: DTensor, spec: GatherSpec) -> torch.Tensor:
-    full = param.redistribute(
-        placements=spec.full_placements,
-        forward_dtype=spec.param_dtype,
-        backward_dtype=spec.reduce_dtype,
-    )
-    return full.to_local(grad_placements=spec.grad_placements)
-
-
-def _tagged_redistribute(param: DTensor, spec: GatherSpec) -> torch.Tensor:
-    # Every node traced here -- the cast, the all-gather and its wait, and in backward the
-    # reduction -- carries node.meta["custom"][OWNER_KEY] = spec.fqn, so graph passes know which
-    # parameter (and so which block) a collective belongs to.
-    with fx_traceback.annotate({OWNER_KEY: spec.fqn}):
-        return _redistribute(param, spec)
-
-
 def gather_full(param: DTensor, spec: GatherSpec) -> torch.Tensor:
     """The full (unsharded) local tensor of `param`, in `spec.param_dtype`, differentiable; for a
     tensor-parallel parameter, the DTensor on the tp mesh with its TP placement, gathered over dp only.
 
     Its gradient is reduced over the mesh in `spec.reduce_dtype` and lands in `param.grad` as a
-    DTensor with `param`'s placements and dtype. A tied parameter is gathered once per root forward.
+    DTensor with `param`'s placements and dtype (see the module docstring for the steps).
     """
+    if spec.tied_key is not None and (earlier := tied.gathered(spec.tied_key)) is not None:
+        return earlier
+    state = _accumulation(param, spec)
+    if state is not None and state.deferring:
+        full = accumulate.tap(_gather(param.detach(), spec), state.sinks[spec.fqn])
+    else:
+        pending = state.take_pending(spec.fqn) if state is not None else None
+        full = _gather(param, spec)
+        if pending is not None:
+            full = accumulate.add_pending(full, pending)
     if spec.tied_key is not None:
-        return gather_once(spec.tied_key, lambda: _accumulating(param, spec))
-    return _accumulating(param, spec)
+        tied.remember(spec.tied_key, full)
+    return full
 
 
-def _accumulating(param: DTensor, spec: GatherSpec) -> torch.Tensor:
-    return accumulating_gather(spec.accumulation, spec.fqn, param, lambda p: _gather(p, spec))
+def _accumulation(param: DTensor, spec: GatherSpec) -> Accumulation | None:
+    """The model's `no_sync` state when a backward will run through this gather; None otherwise
+    (then pending gradients wait for a gather that a backward runs through)."""
+    if spec.accumulation is None or not param.requires_grad or not torch.is_grad_enabled():
+        return None
+    return spec.accumulation
 
 
 def _gather(param: DTensor, spec: GatherSpec) -> torch.Tensor:
@@ -124,3 +130,20 @@ def _gather_dp(param: DTensor, spec: GatherSpec) -> torch.Tensor:
     if spec.reshard_after_forward:
         return checkpoint(_tagged_redistribute, param, spec, use_reentrant=False)
     return _tagged_redistribute(param, spec)
+
+
+def _tagged_redistribute(param: DTensor, spec: GatherSpec) -> torch.Tensor:
+    # Every node traced here -- the cast, the all-gather and its wait, and in backward the
+    # reduction -- carries node.meta["custom"][OWNER_KEY] = spec.fqn, so graph passes know which
+    # parameter (and so which block) a collective belongs to.
+    with fx_traceback.annotate({OWNER_KEY: spec.fqn}):
+        return _redistribute(param, spec)
+
+
+def _redistribute(param: DTensor, spec: GatherSpec) -> torch.Tensor:
+    full = param.redistribute(
+        placements=spec.full_placements,
+        forward_dtype=spec.param_dtype,
+        backward_dtype=spec.reduce_dtype,
+    )
+    return full.to_local(grad_placements=spec.grad_placements)

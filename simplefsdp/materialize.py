@@ -31,6 +31,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.overrides import TorchFunctionMode
 
+from simplefsdp.class_swap import user_class
 from simplefsdp.parametrize import sharded_parameters
 
 __all__ = ["materialize"]
@@ -134,7 +135,7 @@ def materialize(
     params = {fqn: p for fqn, p in model.named_parameters() if isinstance(p, DTensor)}
     if not params:
         raise ValueError(
-            f"{type(model).__name__} has no sharded parameters: call simplefsdp.wrap() before materialize()"
+            f"{user_class(model).__name__} has no sharded parameters: call simplefsdp.wrap() before materialize()"
         )
     real = [fqn for fqn, t in [*params.items(), *model.named_buffers()] if not _local(t).is_meta]
     real += [fqn for fqn, p in model.named_parameters() if fqn not in params and not p.is_meta]

@@ -4,11 +4,13 @@
 `torch.nn.utils.parametrize.register_parametrization` moves the parameter to
 `module.parametrizations.weight.original`, which renames every key of `named_parameters()` and
 `state_dict()` and breaks optimizers' and checkpoints' expectations. Instead each module that owns
-floating-point parameters gets a per-(class, names) subclass whose class-level properties shadow
-those names. A property is a data descriptor, so `module.weight` resolves to it before
-`nn.Module.__getattr__` would look in `_parameters`. The parameter itself stays registered in
-`module._parameters["weight"]` under its original name, holding the sharded DTensor, so
-`named_parameters()`, `state_dict()` and optimizers see exactly the sharded masters.
+floating-point parameters gets a per-(class, names) subclass, `GatherOnAccess[<class>]` (see
+[Note: class swaps] in `class_swap.py`),
+whose class-level properties shadow those names. A property is a data descriptor, so
+`module.weight` resolves to it before `nn.Module.__getattr__` would look in `_parameters`. The
+parameter itself stays registered in `module._parameters["weight"]` under its original name, holding
+the sharded DTensor, so `named_parameters()`, `state_dict()` and optimizers see exactly the sharded
+masters.
 
 Invariants:
 - a swapped class subclasses the original, so `isinstance(module, nn.Linear)` still holds;
@@ -25,9 +27,10 @@ from collections.abc import Iterator
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from simplefsdp.class_swap import subclass, user_class
 from simplefsdp.gather import GatherSpec, gather_full
 
-__all__ = ["install", "is_wrapped_module", "sharded_parameters"]
+__all__ = ["gather_on_access", "is_wrapped_module", "sharded_parameters"]
 
 _SPECS_ATTR = "_simplefsdp_gather_specs"
 _ORIGINAL_CLASS_ATTR = "_simplefsdp_unsharded_class"
@@ -37,8 +40,9 @@ def _gathered_property(name: str) -> property:
     def get(self: nn.Module):
         param = self._parameters[name]
         if not isinstance(param, DTensor):
+            owner = user_class(self).__name__
             raise TypeError(
-                f"parameter {name!r} of {type(self).__name__} was replaced after simplefsdp.wrap() by a "
+                f"parameter {name!r} of {owner} was replaced after simplefsdp.wrap() by a "
                 f"{type(param).__name__}; assign an nn.Parameter holding a DTensor with the same "
                 "placements, or assign before wrapping"
             )
@@ -51,14 +55,15 @@ def _gathered_property(name: str) -> property:
 def _sharded_class(cls: type[nn.Module], names: tuple[str, ...]) -> type[nn.Module]:
     attrs = {name: _gathered_property(name) for name in names}
     attrs[_ORIGINAL_CLASS_ATTR] = cls
-    return type(f"SimpleFSDP{cls.__name__}", (cls,), attrs)
+    attrs["__module__"] = __name__
+    return subclass(cls, adds="GatherOnAccess", attrs=attrs)
 
 
 def is_wrapped_module(module: nn.Module) -> bool:
     return hasattr(type(module), _ORIGINAL_CLASS_ATTR)
 
 
-def install(module: nn.Module, specs: dict[str, GatherSpec]) -> None:
+def gather_on_access(module: nn.Module, specs: dict[str, GatherSpec]) -> None:
     """Make each `module.<name>` in `specs` return the gathered full tensor of its sharded parameter."""
     setattr(module, _SPECS_ATTR, dict(specs))
     module.__class__ = _sharded_class(type(module), tuple(sorted(specs)))
@@ -73,7 +78,9 @@ def sharded_parameters(model: nn.Module) -> Iterator[nn.Module]:
     """
     swapped = {m: type(m) for m in model.modules() if is_wrapped_module(m)}
     if not swapped:
-        raise ValueError(f"{type(model).__name__} is not wrapped by simplefsdp.wrap(): it has no sharded parameters")
+        raise ValueError(
+            f"{user_class(model).__name__} is not wrapped by simplefsdp.wrap(): it has no sharded parameters"
+        )
     for module, cls in swapped.items():
         module.__class__ = getattr(cls, _ORIGINAL_CLASS_ATTR)
     try:

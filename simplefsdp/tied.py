@@ -20,25 +20,24 @@ Dynamo traces the hooks and the dict like any Python code, so the same holds com
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 from torch import nn
 
-__all__ = ["gather_once", "install_scope"]
+__all__ = ["gathered", "install_scope", "remember"]
 
 _SCOPES: list[dict[str, torch.Tensor]] = []  # one per root forward in progress, innermost last
 _INSTALLED = "_simplefsdp_tied_scope_hooks"
 
 
-def gather_once(key: str, gather: Callable[[], torch.Tensor]) -> torch.Tensor:
-    """`gather()`'s result, computed at most once per root forward for the parameter `key` names."""
-    if not _SCOPES:
-        return gather()
-    scope = _SCOPES[-1]
-    if key not in scope:
-        scope[key] = gather()
-    return scope[key]
+def gathered(key: str) -> torch.Tensor | None:
+    """The full value of the tied parameter `key` names, if this root forward gathered it already."""
+    return _SCOPES[-1].get(key) if _SCOPES else None
+
+
+def remember(key: str, full: torch.Tensor) -> None:
+    """Keep `full` as the tied parameter's value for the rest of this root forward (a no-op outside one)."""
+    if _SCOPES:
+        _SCOPES[-1][key] = full
 
 
 def _open(module: nn.Module, args: tuple) -> None:

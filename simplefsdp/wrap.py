@@ -13,15 +13,16 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from simplefsdp._compat import install_rank_aware_dtensor_cache_keys
+from simplefsdp._compat import use_rank_aware_cache_keys
 from simplefsdp.accumulate import Accumulation, attach
+from simplefsdp.blocks import find_repeated_blocks, validate_patterns
+from simplefsdp.class_swap import user_class
 from simplefsdp.gather import GatherSpec, ReduceOp
 from simplefsdp.mesh import resolve_mesh
 from simplefsdp.mixed_precision import MixedPrecisionPolicy
-from simplefsdp.parametrize import install, is_wrapped_module
-from simplefsdp.passes import install as passes_install
+from simplefsdp.parametrize import gather_on_access, is_wrapped_module
 from simplefsdp.passes.fsdp_pass import FsdpPass, PassConfig
-from simplefsdp.passes.plan import find_repeated_blocks, validate_patterns
+from simplefsdp.passes.install import attach_pass
 from simplefsdp.strategy import ShardingStrategy
 from simplefsdp.tensor_parallel import TensorParallelLayout, check_tensor_parallel, shard_tensor_parallel
 from simplefsdp.tied import install_scope
@@ -32,6 +33,119 @@ logger = logging.getLogger(__name__)
 
 _ROOT_ATTR = "_simplefsdp_wrapped"  # set on the module wrap() was called on
 _WRAP_IDS = itertools.count()
+
+
+def wrap(
+    model: nn.Module,
+    mesh: DeviceMesh | None = None,
+    *,
+    strategy: ShardingStrategy | str = ShardingStrategy.FULL_SHARD,
+    mp_policy: MixedPrecisionPolicy | None = None,
+    reshard_after_forward: bool | None = None,
+    reduce_op: ReduceOp = "avg",
+    passes: PassConfig | None = PassConfig(),
+) -> nn.Module:
+    """Shard `model`'s floating-point parameters over `mesh`, in place, and return `model`.
+
+    Args:
+        model: a plain module (its parameters plain tensors on one device type), or one already
+            parallelized with torch's `parallelize_module` (tensor parallel: DTensor parameters).
+        mesh: the data-parallel mesh; `None` is 1-D over the default process group. The
+            `HYBRID_*` strategies need a 2-D mesh `(replicate, shard)`. For a tensor-parallel
+            model, the data-parallel submesh of the mesh the tp mesh was sliced from (its dims
+            before the tp dims): each parameter then becomes a DTensor on `(*dp dims, *tp dims)`,
+            gathered over dp only (`tensor_parallel.py`).
+        strategy: a `ShardingStrategy` or its name (see `strategy.py` for the table).
+        mp_policy: mixed precision; `None` computes and reduces in the parameters' own dtype.
+        reshard_after_forward: overrides the strategy's default (True for FULL_SHARD / HYBRID_SHARD).
+        reduce_op: `"avg"` (default, what DDP and FSDP2 do) or `"sum"` over the data-parallel ranks.
+        passes: what `torch.compile(model)` does to the collectives (bucketing, reordering; see
+            `simplefsdp.passes`); the default buckets per repeated block, `None` turns the passes off.
+
+    After the call, for every floating-point parameter: `named_parameters()` and `state_dict()`
+    yield it under its original name as an `nn.Parameter` holding a DTensor with the strategy's
+    placements; `module.<name>` returns the full tensor (gathered in `param_dtype`), and its
+    gradient lands reduced in `param.grad` with the master's placements and dtype. Buffers and
+    non-floating-point parameters are untouched (replicated, as before). A tied parameter (one
+    object in several modules) stays one sharded parameter, gathered once per forward of `model`
+    and reduced once (`tied.py`); a frozen one (`requires_grad=False`) is gathered and never reduced.
+
+    Steps: every check first (an error leaves the model as it was), then each parameter is sharded
+    and its module made to gather it on access, then the root gets what acts on the whole model
+    (input casts, the tied-parameter scope, `no_sync` state, the compiler pass).
+    """
+    strategy, mp_policy = _check_arguments(
+        model, strategy=strategy, mp_policy=mp_policy, reduce_op=reduce_op, passes=passes
+    )
+    params = _floating_params(model)
+    mesh = _check_model(model, params, mesh, strategy, passes=passes)
+    reshard = strategy.reshard_after_forward if reshard_after_forward is None else reshard_after_forward
+    settings = _Settings(
+        mesh=mesh,
+        strategy=strategy,
+        mp_policy=mp_policy,
+        reduce_op=reduce_op,
+        reshard_after_forward=reshard,
+        accumulation=Accumulation(),
+        wrap_id=next(_WRAP_IDS),
+    )
+    has_tied = _shard_parameters(model, params, settings)
+    _install_on_root(model, settings, passes=passes, has_tied=has_tied)
+    logger.info(
+        "simplefsdp.wrap: %d parameters (%.2fM elements) -> %s on %s, reshard_after_forward=%s, %s",
+        len(params),
+        sum(p.numel() for p in params.values()) / 1e6,
+        strategy.value,
+        mesh,
+        reshard,
+        mp_policy,
+    )
+    return model
+
+
+def _check_arguments(
+    model: nn.Module,
+    *,
+    strategy: ShardingStrategy | str,
+    mp_policy: MixedPrecisionPolicy | None,
+    reduce_op: str,
+    passes: PassConfig | None,
+) -> tuple[ShardingStrategy, MixedPrecisionPolicy]:
+    """The arguments' types and values; returns the strategy and the mixed-precision policy (the
+    default one for None)."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"simplefsdp.wrap() takes an nn.Module, got {type(model).__name__}")
+    strategy = ShardingStrategy.parse(strategy)
+    if reduce_op not in ("avg", "sum"):
+        raise ValueError(f"reduce_op must be 'avg' or 'sum', got {reduce_op!r}")
+    if mp_policy is None:
+        mp_policy = MixedPrecisionPolicy()
+    if not isinstance(mp_policy, MixedPrecisionPolicy):
+        raise TypeError(f"mp_policy must be a simplefsdp.MixedPrecisionPolicy, got {type(mp_policy).__name__}")
+    if passes is not None and not isinstance(passes, PassConfig):
+        raise TypeError(f"passes must be a simplefsdp.PassConfig or None, got {type(passes).__name__}")
+    return strategy, mp_policy
+
+
+def _check_model(
+    model: nn.Module,
+    params: dict[str, nn.Parameter],
+    mesh: DeviceMesh | None,
+    strategy: ShardingStrategy,
+    *,
+    passes: PassConfig | None,
+) -> DeviceMesh:
+    """Everything about the model, the mesh and the bucket patterns that could fail, before anything
+    changes; returns the mesh."""
+    _check_wrappable(model, params, mesh)
+    if passes is not None and passes.bucket is not None and passes.bucket.plan == "patterns":
+        validate_patterns(passes.bucket.patterns, model)
+    mesh = resolve_mesh(mesh, strategy=strategy, device_type=_device_type(params))
+    _check_devices(params, mesh)
+    for fqn, param in params.items():
+        if isinstance(param, DTensor):
+            check_tensor_parallel(param, dp_mesh=mesh, fqn=fqn)
+    return mesh
 
 
 def _floating_params(model: nn.Module) -> dict[str, nn.Parameter]:
@@ -76,6 +190,61 @@ def _check_devices(params: dict[str, nn.Parameter], mesh: DeviceMesh) -> None:
             )
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class _Settings:
+    """What every parameter of one `wrap()` call shares."""
+
+    mesh: DeviceMesh
+    strategy: ShardingStrategy
+    mp_policy: MixedPrecisionPolicy
+    reduce_op: ReduceOp
+    reshard_after_forward: bool
+    accumulation: Accumulation
+    wrap_id: int  # tells apart the tied parameters of different wrapped models
+
+
+def _shard_parameters(model: nn.Module, params: dict[str, nn.Parameter], settings: _Settings) -> bool:
+    """Replace each floating-point parameter by its sharded DTensor (a tied one by one object) and make
+    each module holding one gather it on access; returns whether any parameter is tied."""
+    sharded: dict[int, nn.Parameter] = {}  # id(original) -> sharded; tied parameters stay one object
+    layouts: dict[int, TensorParallelLayout | None] = {}  # id(original) -> its TP layout, if any
+    fqns = {id(p): fqn for fqn, p in params.items()}  # a tied parameter is named by its first FQN
+    holders = Counter(id(p) for m in model.modules() for p in m._parameters.values() if p is not None)
+    for module in model.modules():
+        specs: dict[str, GatherSpec] = {}
+        for name, param in module._parameters.items():
+            if param is None or not param.is_floating_point():
+                continue
+            fqn = fqns[id(param)]
+            if id(param) not in sharded:
+                sharded[id(param)], layouts[id(param)] = _shard(param, settings.mesh, settings.strategy, fqn=fqn)
+                grad_dtype = settings.mp_policy.reduction_dtype(param.dtype)
+                settings.accumulation.add_parameter(fqn, sharded[id(param)], grad_dtype=grad_dtype)
+            tied_key = f"{settings.wrap_id}/{fqn}" if holders[id(param)] > 1 else None
+            specs[name] = _spec(param, settings, fqn=fqn, tied_key=tied_key, layout=layouts[id(param)])
+        for name in specs:
+            module._parameters[name] = sharded[id(module._parameters[name])]
+        if specs:
+            gather_on_access(module, specs)
+    return any(n > 1 for n in holders.values())
+
+
+def _spec(
+    param: nn.Parameter, settings: _Settings, *, fqn: str, tied_key: str | None, layout: TensorParallelLayout | None
+) -> GatherSpec:
+    return GatherSpec(
+        fqn=fqn,
+        mesh_ndim=settings.mesh.ndim,
+        param_dtype=settings.mp_policy.gather_dtype(param.dtype),
+        reduce_dtype=settings.mp_policy.reduction_dtype(param.dtype),
+        reduce_op=settings.reduce_op,
+        reshard_after_forward=settings.reshard_after_forward,
+        tied_key=tied_key,
+        accumulation=settings.accumulation,
+        tp=layout,
+    )
+
+
 def _shard(
     param: nn.Parameter, mesh: DeviceMesh, strategy: ShardingStrategy, *, fqn: str
 ) -> tuple[nn.Parameter, TensorParallelLayout | None]:
@@ -96,6 +265,23 @@ def _shard(
     return sharded, layout
 
 
+def _install_on_root(model: nn.Module, settings: _Settings, *, passes: PassConfig | None, has_tied: bool) -> None:
+    """What acts on the whole model: forward input casts, the tied-parameter scope, the `no_sync`
+    state, the compiler pass, and the compile-cache keys of its DTensors."""
+    settings.mp_policy.install_casts(model)
+    if has_tied:
+        install_scope(model)
+    attach(model, settings.accumulation)
+    attach_pass(model, _make_pass(model, passes, settings.mesh))
+    # A torch bug (compile caches keyed without the rank's local shard: ranks sharing a cache
+    # directory could load each other's graphs) is worked around for the DTensors of these
+    # parameters' meshes only; see [Note: per-rank AOTAutograd cache keys for DTensor inputs] in
+    # _compat.py. Process-wide but idempotent: other DTensors keep torch's own key.
+    for mesh in {p.device_mesh for p in model.parameters() if isinstance(p, DTensor)}:
+        use_rank_aware_cache_keys(mesh)
+    setattr(model, _ROOT_ATTR, True)
+
+
 def _make_pass(model: nn.Module, passes: PassConfig | None, mesh: DeviceMesh) -> FsdpPass | None:
     """The model's pass, acting on the collectives of `mesh`'s groups only; the default block plan
     gets its blocks from the model's structure."""
@@ -113,117 +299,9 @@ def _make_pass(model: nn.Module, passes: PassConfig | None, mesh: DeviceMesh) ->
                 "simplefsdp: %s has no repeated blocks (two or more children of one class in a ModuleList, "
                 "Sequential or ModuleDict); bucketing in graph order, at most %d bytes per bucket, instead. "
                 "Pick buckets with BucketConfig(plan='patterns', patterns=(...)).",
-                type(model).__name__,
+                user_class(model).__name__,
                 bucket.cap_bytes,
             )
             bucket = dataclasses.replace(bucket, plan="cap")
-    if bucket is not None and bucket.plan == "patterns":
-        validate_patterns(bucket.patterns, model)
     groups = [tuple(dist.get_process_group_ranks(mesh.get_group(dim))) for dim in range(mesh.ndim)]
     return FsdpPass(dataclasses.replace(passes, bucket=bucket), groups=groups)
-
-
-def wrap(
-    model: nn.Module,
-    mesh: DeviceMesh | None = None,
-    *,
-    strategy: ShardingStrategy | str = ShardingStrategy.FULL_SHARD,
-    mp_policy: MixedPrecisionPolicy | None = None,
-    reshard_after_forward: bool | None = None,
-    reduce_op: ReduceOp = "avg",
-    passes: PassConfig | None = PassConfig(),
-) -> nn.Module:
-    """Shard `model`'s floating-point parameters over `mesh`, in place, and return `model`.
-
-    Args:
-        model: a plain module (its parameters plain tensors on one device type), or one already
-            parallelized with torch's `parallelize_module` (tensor parallel: DTensor parameters).
-        mesh: the data-parallel mesh; `None` is 1-D over the default process group. The
-            `HYBRID_*` strategies need a 2-D mesh `(replicate, shard)`. For a tensor-parallel
-            model, the data-parallel submesh of the mesh the tp mesh was sliced from (its dims
-            before the tp dims): each parameter then becomes a DTensor on `(*dp dims, *tp dims)`,
-            gathered over dp only (`tensor_parallel.py`).
-        strategy: a `ShardingStrategy` or its name (see `strategy.py` for the table).
-        mp_policy: mixed precision; `None` computes and reduces in the parameters' own dtype.
-        reshard_after_forward: overrides the strategy's default (True for FULL_SHARD / HYBRID_SHARD).
-        reduce_op: `"avg"` (default, what DDP and FSDP2 do) or `"sum"` over the data-parallel ranks.
-        passes: what `torch.compile(model)` does to the collectives (bucketing, reordering; see
-            `simplefsdp.passes`); the default buckets per repeated block, `None` turns the passes off.
-
-    After the call, for every floating-point parameter: `named_parameters()` and `state_dict()`
-    yield it under its original name as an `nn.Parameter` holding a DTensor with the strategy's
-    placements; `module.<name>` returns the full tensor (gathered in `param_dtype`), and its
-    gradient lands reduced in `param.grad` with the master's placements and dtype. Buffers and
-    non-floating-point parameters are untouched (replicated, as before). A tied parameter (one
-    object in several modules) stays one sharded parameter, gathered once per forward of `model`
-    and reduced once (`tied.py`); a frozen one (`requires_grad=False`) is gathered and never reduced.
-    """
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"simplefsdp.wrap() takes an nn.Module, got {type(model).__name__}")
-    strategy = ShardingStrategy.parse(strategy)
-    if reduce_op not in ("avg", "sum"):
-        raise ValueError(f"reduce_op must be 'avg' or 'sum', got {reduce_op!r}")
-    if mp_policy is None:
-        mp_policy = MixedPrecisionPolicy()
-    if not isinstance(mp_policy, MixedPrecisionPolicy):
-        raise TypeError(f"mp_policy must be a simplefsdp.MixedPrecisionPolicy, got {type(mp_policy).__name__}")
-    if passes is not None and not isinstance(passes, PassConfig):
-        raise TypeError(f"passes must be a simplefsdp.PassConfig or None, got {type(passes).__name__}")
-    params = _floating_params(model)
-    _check_wrappable(model, params, mesh)
-    mesh = resolve_mesh(mesh, strategy=strategy, device_type=_device_type(params))
-    _check_devices(params, mesh)
-    for fqn, param in params.items():  # all checked before any is changed: an error leaves the model as it was
-        if isinstance(param, DTensor):
-            check_tensor_parallel(param, dp_mesh=mesh, fqn=fqn)
-    reshard = strategy.reshard_after_forward if reshard_after_forward is None else reshard_after_forward
-
-    sharded: dict[int, nn.Parameter] = {}  # id(original) -> sharded; tied parameters stay one object
-    layouts: dict[int, TensorParallelLayout | None] = {}  # id(original) -> its TP layout, if any
-    fqns = {id(p): fqn for fqn, p in params.items()}  # a tied parameter is named by its first FQN
-    accumulation = Accumulation()
-    wrap_id = next(_WRAP_IDS)  # tells apart the tied parameters of different wrapped models
-    holders = Counter(id(p) for m in model.modules() for p in m._parameters.values() if p is not None)
-    for module in model.modules():
-        specs: dict[str, GatherSpec] = {}
-        for name, param in module._parameters.items():
-            if param is None or not param.is_floating_point():
-                continue
-            if id(param) not in sharded:
-                sharded[id(param)], layouts[id(param)] = _shard(param, mesh, strategy, fqn=fqns[id(param)])
-                grad_dtype = mp_policy.reduction_dtype(param.dtype)
-                accumulation.add_parameter(fqns[id(param)], sharded[id(param)], grad_dtype=grad_dtype)
-            specs[name] = GatherSpec(
-                fqn=fqns[id(param)],
-                mesh_ndim=mesh.ndim,
-                param_dtype=mp_policy.gather_dtype(param.dtype),
-                reduce_dtype=mp_policy.reduction_dtype(param.dtype),
-                reduce_op=reduce_op,
-                reshard_after_forward=reshard,
-                tied_key=f"{wrap_id}/{fqns[id(param)]}" if holders[id(param)] > 1 else None,
-                accumulation=accumulation,
-                tp=layouts[id(param)],
-            )
-        for name in specs:
-            module._parameters[name] = sharded[id(module._parameters[name])]
-        if specs:
-            install(module, specs)
-    mp_policy.install_casts(model)
-    if any(n > 1 for n in holders.values()):
-        install_scope(model)
-    attach(model, accumulation)
-    passes_install.install(model, _make_pass(model, passes, mesh))
-    install_rank_aware_dtensor_cache_keys()
-    setattr(model, _ROOT_ATTR, True)
-
-    numel = sum(p.numel() for p in params.values())
-    logger.info(
-        "simplefsdp.wrap: %d parameters (%.2fM elements) -> %s on %s, reshard_after_forward=%s, %s",
-        len(params),
-        numel / 1e6,
-        strategy.value,
-        mesh,
-        reshard,
-        mp_policy,
-    )
-    return model

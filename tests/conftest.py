@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from simplefsdp._compat import fake_store
+from simplefsdp._compat import init_fake_process_group
 from tests._dist import RankPool
 
 
@@ -25,7 +25,7 @@ def ranks4():
 
 
 def _fake_world(size: int):
-    dist.init_process_group("fake", store=fake_store(), rank=0, world_size=size)
+    init_fake_process_group(rank=0, world_size=size)
     yield size
     dist.destroy_process_group()
 

@@ -27,6 +27,7 @@ from safetensors.torch import save_file
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from simplefsdp._compat import unwrap_compiled
 from simplefsdp.checkpoint import sync
 from simplefsdp.checkpoint.full_source import INDEX_NAME, SINGLE_FILE_NAME
 
@@ -85,7 +86,7 @@ def export_full_state_dict(
     """
     if max_shard_bytes < 1:
         raise ValueError(f"max_shard_bytes must be positive, got {max_shard_bytes}")
-    state = getattr(model, "_orig_mod", model).state_dict()
+    state = unwrap_compiled(model).state_dict()
     objects = [key for key, value in state.items() if not isinstance(value, torch.Tensor)]
     if objects:
         raise TypeError(f"state entries {objects} are not tensors; safetensors holds tensors only")

@@ -30,6 +30,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from simplefsdp._compat import unwrap_compiled
 from simplefsdp.checkpoint import sync
 from simplefsdp.checkpoint.errors import CheckpointError, StateDictMismatchError
 from simplefsdp.checkpoint.full_source import FullStateSource
@@ -120,7 +121,7 @@ def import_full_state_dict(
     of a flat state dict, loaded with `weights_only=True`. `strict=False` skips missing and
     unexpected keys; shape mismatches always raise `StateDictMismatchError`, on every rank.
     """
-    state = getattr(model, "_orig_mod", model).state_dict()
+    state = unwrap_compiled(model).state_dict()
     sync.wait_for_all_ranks(what=f"import_full_state_dict({path})", timeout=timeout)
     source, error = None, None
     if sync.rank() == 0:

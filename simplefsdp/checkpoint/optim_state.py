@@ -27,6 +27,7 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from torch.distributed.tensor import DTensor
 
 from simplefsdp.checkpoint.train_state import decode_param_groups
+from simplefsdp.class_swap import user_class
 
 __all__ = ["OptimizerState", "allocate_targets", "flatten_optimizer", "load_optimizer"]
 
@@ -50,7 +51,7 @@ def _optimizer_fqns(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[
     unknown = [i for i, p in enumerate(params) if id(p) not in names]
     if unknown:
         raise ValueError(
-            f"optimizer parameters at indices {unknown} are not parameters of {type(model).__name__} "
+            f"optimizer parameters at indices {unknown} are not parameters of {user_class(model).__name__} "
             "(build the optimizer from model.parameters() after simplefsdp.wrap())"
         )
     return [names[id(p)] for p in params]

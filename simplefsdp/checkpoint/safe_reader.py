@@ -8,7 +8,8 @@ Reading a DCP checkpoint with torch's own `FileSystemReader` touches pickle in t
 3. non-tensor values (`BYTE_IO` items, e.g. an int or a dict in the state dict): `torch.load(...,
    weights_only=False)` in the default load planner: also arbitrary code.
 `SafeFileSystemReader` closes 2 with an allow-list unpickler: `.metadata` may only name DCP's own
-metadata dataclasses, `torch.Size`, torch dtypes / layouts / memory formats and paths; anything
+metadata dataclasses, `torch.Size`, torch dtypes / layouts / memory formats and paths (the list,
+which names torch internals, is `_compat.DCP_METADATA_GLOBALS`); anything
 else fails with the name it asked for. It closes 3 by refusing any `BYTE_IO` item: simplefsdp
 saves tensors only (step, RNG states and the data position go to JSON, see `train_state.py`), so
 a checkpoint that asks us to unpickle an object was not written by us. The manifest's checksums
@@ -28,36 +29,17 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import LoadItemType
 
+from simplefsdp._compat import DCP_METADATA_GLOBALS
 from simplefsdp.checkpoint.errors import CheckpointCorruptError, CheckpointError
 
 __all__ = ["METADATA_NAME", "SafeFileSystemReader", "read_metadata"]
 
 METADATA_NAME = ".metadata"  # DCP's metadata file name (torch 2.11-2.13)
 
-_DCP_METADATA = "torch.distributed.checkpoint.metadata"
-_ALLOWED_GLOBALS = {
-    (_DCP_METADATA, "Metadata"),
-    (_DCP_METADATA, "TensorStorageMetadata"),
-    (_DCP_METADATA, "BytesStorageMetadata"),
-    (_DCP_METADATA, "ChunkStorageMetadata"),
-    (_DCP_METADATA, "TensorProperties"),
-    (_DCP_METADATA, "MetadataIndex"),
-    (_DCP_METADATA, "StorageMeta"),
-    (_DCP_METADATA, "_MEM_FORMAT_ENCODING"),
-    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-    ("torch.serialization", "_get_layout"),  # maps a layout's name to the torch.layout
-    ("torch", "Size"),
-    ("collections", "OrderedDict"),
-    ("pathlib", "PosixPath"),
-    ("pathlib", "WindowsPath"),
-    ("pathlib", "PurePosixPath"),
-    ("pathlib", "PureWindowsPath"),
-}
-
 
 class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
-        if (module, name) in _ALLOWED_GLOBALS:
+        if (module, name) in DCP_METADATA_GLOBALS:
             return super().find_class(module, name)
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
             return getattr(torch, name)

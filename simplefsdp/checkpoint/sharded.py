@@ -48,6 +48,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
+from simplefsdp._compat import unwrap_compiled
 from simplefsdp.checkpoint import sync, train_state
 from simplefsdp.checkpoint.errors import CheckpointCorruptError, StateDictMismatchError
 from simplefsdp.checkpoint.manifest import MANIFEST_NAME, fsync_directory, verify_manifest, write_manifest
@@ -103,14 +104,9 @@ def latest_checkpoint(directory: str | os.PathLike) -> Path | None:
     return found[-1] if found else None
 
 
-def _unwrap(model: nn.Module) -> nn.Module:
-    """The module itself when given `torch.compile(model)` (whose keys would carry `_orig_mod.`)."""
-    return getattr(model, "_orig_mod", model)
-
-
 def _model_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
     """The model's state by checkpoint key: the live tensors (DTensor shards), so DCP loads in place."""
-    state = _unwrap(model).state_dict()
+    state = unwrap_compiled(model).state_dict()
     objects = [fqn for fqn, value in state.items() if not isinstance(value, torch.Tensor)]
     if objects:
         raise TypeError(f"model state entries {objects} are not tensors; simplefsdp checkpoints hold tensors only")
@@ -179,7 +175,7 @@ def save_checkpoint(
     tensors = _model_tensors(model)
     optimizer_json = None
     if optimizer is not None:
-        optim = flatten_optimizer(_unwrap(model), optimizer)
+        optim = flatten_optimizer(unwrap_compiled(model), optimizer)
         tensors.update(optim.tensors)
         optimizer_json = {"param_groups": optim.param_groups, "scalars": optim.scalars}
     writer = dcp.FileSystemWriter(tmp, single_file_per_rank=True, sync_files=True)
@@ -286,7 +282,7 @@ def load_checkpoint(
     if optimizer is not None:
         if document["optimizer"] is None:
             missing.append("optimizer state: the checkpoint was saved without an optimizer")
-        optim_tensors, optim_unexpected = allocate_targets(_unwrap(model), optimizer, metadata)
+        optim_tensors, optim_unexpected = allocate_targets(unwrap_compiled(model), optimizer, metadata)
         unexpected += optim_unexpected
     if mismatched or (strict and (missing or unexpected)):
         raise StateDictMismatchError(chosen, missing=missing, unexpected=unexpected, mismatched=mismatched)
@@ -296,7 +292,7 @@ def load_checkpoint(
         dcp.load({**present, **optim_tensors}, storage_reader=reader, no_dist=not sync.is_distributed())
     if optimizer is not None and document["optimizer"] is not None:
         load_optimizer(
-            _unwrap(model),
+            unwrap_compiled(model),
             optimizer,
             tensors=optim_tensors,
             scalars=document["optimizer"]["scalars"],

@@ -2,7 +2,7 @@
 
 Which parameters a merged collective carries is not written on it (the bucketing pass builds new
 nodes). It is recovered by following data: every FSDP collective of the graph *before* the pass is
-tagged with its parameter (`detect.owner_of`), and the pass never renames the nodes a collective
+tagged with its parameter (`collectives.owner_of`), and the pass never renames the nodes a collective
 reads from (the shard placeholders, the ops computing the gradients). So a pre-pass collective
 belongs to the post-pass collective whose sources -- the nodes reached backwards through
 data-movement ops and other collectives -- include its own sources.
@@ -13,50 +13,22 @@ Invariant: the rows are in graph order (forward, then backward), so `id` is the 
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import torch
 from torch import fx, nn
 
-from simplefsdp._compat import resolve_process_group
+from simplefsdp.blocks import block_of, find_repeated_blocks
 from simplefsdp.inspect.capture import StepCapture
 from simplefsdp.passes.collectives import (
-    collective_dtype,
-    is_all_gather,
-    is_all_reduce,
+    find_collectives,
     is_cast_or_pad,
-    is_reduce_scatter,
+    is_collective,
     passes_value_through,
 )
 from simplefsdp.passes.detect import find_fsdp_all_gathers, find_fsdp_reductions
-from simplefsdp.passes.plan import find_repeated_blocks
+from simplefsdp.passes.walk import upstream
 
-__all__ = ["BucketRow", "bucket_table", "collective_kind", "group_of", "is_collective", "module_summary"]
-
-
-def collective_kind(node: fx.Node) -> str | None:
-    """ "all_gather", "reduce_scatter", "all_reduce" for a collective launch, else None."""
-    if is_all_gather(node):
-        return "all_gather"
-    if is_reduce_scatter(node):
-        return "reduce_scatter"
-    if is_all_reduce(node):
-        return "all_reduce"
-    return None
-
-
-def is_collective(node: fx.Node) -> bool:
-    return collective_kind(node) is not None
-
-
-def group_of(node: fx.Node) -> tuple[str, int]:
-    """(process group name, size) of a collective launch; an all-reduce's size comes from the live group."""
-    kind = collective_kind(node)
-    if kind == "all_gather":  # (input, group_size, group_name)
-        return str(node.args[2]), int(node.args[1])
-    if kind == "reduce_scatter":  # (input, reduce_op, group_size, group_name)
-        return str(node.args[3]), int(node.args[2])
-    return str(node.args[2]), resolve_process_group(node.args[2]).size()  # (input, reduce_op, group_name)
+__all__ = ["BucketRow", "bucket_table", "module_summary"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -74,25 +46,18 @@ class BucketRow:
     group_size: int
 
 
+def _carries(node: fx.Node) -> bool:
+    return passes_value_through(node) or is_cast_or_pad(node) or is_collective(node)
+
+
 def _sources(node: fx.Node) -> set[str]:
     """Names of the nodes `node`'s input comes from, looking through data movement and collectives."""
-    found, stack, seen = set(), list(node.all_input_nodes), set()
-    while stack:
-        current = stack.pop()
-        if current in seen:
-            continue
-        seen.add(current)
-        if passes_value_through(current) or is_cast_or_pad(current) or is_collective(current):
-            stack.extend(current.all_input_nodes)
-        else:
-            found.add(current.name)
-    return found
+    return {source.name for source in upstream(node, through=_carries).boundary}
 
 
 def _owners(pre: fx.Graph) -> list[tuple[str, set[str], str]]:
     """(kind, sources, parameter FQN) of every FSDP collective of the pre-pass graph."""
-    tagged = [("all_gather", g.collective, g.owner) for g in find_fsdp_all_gathers(pre)]
-    tagged += [(r.kind, r.collective, r.owner) for r in find_fsdp_reductions(pre)]
+    tagged = [(c.kind, c.launch, c.owner) for c in [*find_fsdp_all_gathers(pre), *find_fsdp_reductions(pre)]]
     return [(kind, _sources(node), owner) for kind, node, owner in tagged if owner]
 
 
@@ -105,7 +70,7 @@ def module_summary(modules: tuple[str, ...], *, limit: int = 3) -> str:
 
 
 def _module_of(fqn: str, blocks: list[str]) -> str:
-    block = next((b for b in blocks if fqn == b or fqn.startswith(b + ".")), None)
+    block = block_of(fqn, blocks)
     return block if block is not None else fqn.rpartition(".")[0]
 
 
@@ -114,27 +79,22 @@ def _rows(graph: fx.Graph, pre: fx.Graph, phase: str, model: nn.Module, start: i
     blocks = find_repeated_blocks(model)
     numel = {fqn: p.numel() for fqn, p in model.named_parameters()}
     rows = []
-    for node in graph.nodes:
-        kind = collective_kind(node)
-        if kind is None:
-            continue
-        sources = _sources(node)
-        params = tuple(dict.fromkeys(o for k, s, o in owners if k == kind and s and s <= sources))
-        full = node.meta["val"] if kind == "all_gather" else node.args[0].meta["val"]
-        sent = node.args[0].meta["val"]
+    for collective in find_collectives(graph):
+        sources = _sources(collective.launch)
+        params = tuple(dict.fromkeys(o for k, s, o in owners if k == collective.kind and s and s <= sources))
         rows.append(
             BucketRow(
                 id=start + len(rows),
                 phase=phase,
-                collective=kind,
-                node=node.name,
+                collective=collective.kind,
+                node=collective.launch.name,
                 modules=tuple(dict.fromkeys(_module_of(p, blocks) for p in params)),
                 parameters=params,
                 numel=sum(numel.get(p, 0) for p in params),
-                nbytes=math.prod(full.shape) * full.dtype.itemsize,
-                nbytes_per_rank=math.prod(sent.shape) * sent.dtype.itemsize,
-                dtype=collective_dtype(node),
-                group_size=group_of(node)[1],
+                nbytes=collective.full_nbytes,
+                nbytes_per_rank=collective.nbytes,
+                dtype=collective.dtype,
+                group_size=collective.group_size,
             )
         )
     return rows

@@ -2,7 +2,9 @@
 
 `capture_step(model, example_input)` runs `loss_fn(compiled(example_input)).backward()` once and
 returns the forward and backward post-grad FX graphs as simplefsdp's pass left them (and as they
-were before it), plus, when `code=True`, the Python source inductor generated for each.
+were before it), plus, when `code=True`, the Python source inductor generated for each. The
+graphs are recorded by `record.py`; this module adds what a dry run needs on top: checks of the
+model and the input, and the choice of compiler by the model's device.
 
 Two ways to compile, picked by the model's device:
 
@@ -21,30 +23,28 @@ So on meta the Dynamo graph's SDPA calls without a mask are rewritten to
 exist), so the cost and memory models see the kernel a GPU runs. Calls with an explicit mask keep
 the math path (that is what a GPU runs for them too, minus the fused memory-efficient kernel).
 
-Invariants: the pass recorded is the model's own `FsdpPass` (the one `wrap()` installed), run
-exactly once per graph, between the two snapshots; compile caches are off inside the capture so
-the pass really runs; no compiler config outlives the call.
+Invariants: the pass recorded is the model's own `FsdpPass` (the one `wrap()` attached), run
+exactly once per graph, between the two records (see [Note: how graphs are recorded]).
 """
 
 from __future__ import annotations
 
-import contextlib
-import copy
 import dataclasses
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import fx, nn
 
-from simplefsdp._compat import CustomGraphPass, functorch_config, inductor_config, run_and_get_code, tree_leaves
+from simplefsdp._compat import tree_leaves
+from simplefsdp.class_swap import user_class
+from simplefsdp.inspect.record import StepGraphs, record_step
 from simplefsdp.passes.aot_eager import BACKEND_NAME
 from simplefsdp.passes.aot_eager import backend as aot_eager_backend
-from simplefsdp.passes.install import ChainedPass, configured_passes, pass_of
 
-__all__ = ["StepCapture", "capture_step", "describe_input", "recording", "run_model"]
+__all__ = ["StepCapture", "capture_step", "describe_input", "run_model"]
 
 logger = logging.getLogger(__name__)
 
@@ -53,36 +53,42 @@ aten = torch.ops.aten
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class StepCapture:
-    """The graphs of one compiled training step. `*_pre` are the graphs before simplefsdp's pass
-    (equal to the post-pass ones when the model's passes are off); `*_code` is inductor's output
+    """The graphs of one compiled training step of `model`. `*_pre` are the graphs before simplefsdp's
+    pass (equal to the post-pass ones when the model's passes are off); `*_code` is inductor's output
     code, None unless captured with inductor."""
 
     model: nn.Module
-    forward: fx.Graph
-    backward: fx.Graph
-    forward_pre: fx.Graph
-    backward_pre: fx.Graph
-    forward_code: str | None = None
-    backward_code: str | None = None
+    graphs: StepGraphs
     on_meta: bool = False
+
+    @property
+    def forward(self) -> fx.Graph:
+        return self.graphs.forward
+
+    @property
+    def backward(self) -> fx.Graph:
+        return self.graphs.backward
+
+    @property
+    def forward_pre(self) -> fx.Graph:
+        return self.graphs.forward_pre
+
+    @property
+    def backward_pre(self) -> fx.Graph:
+        return self.graphs.backward_pre
+
+    @property
+    def forward_code(self) -> str | None:
+        return self.graphs.code[0] if self.graphs.code else None
+
+    @property
+    def backward_code(self) -> str | None:
+        return self.graphs.code[1] if self.graphs.code else None
 
     @property
     def world_size(self) -> int:
         """Size of the data-parallel mesh the parameters are sharded over (1 if none is)."""
         return next((p.device_mesh.size() for p in self.model.parameters() if hasattr(p, "device_mesh")), 1)
-
-
-class _Snapshot(CustomGraphPass):
-    """A post-grad pass that only copies the graph it sees into `into`."""
-
-    def __init__(self, into: list[fx.Graph], tag: str) -> None:
-        self.into, self.tag = into, tag
-
-    def __call__(self, graph: fx.Graph) -> None:
-        self.into.append(copy.deepcopy(graph))
-
-    def uuid(self) -> str:
-        return f"simplefsdp-inspect-{self.tag}"
 
 
 def describe_input(example_input: Any) -> str:
@@ -115,7 +121,7 @@ def _check_runs(model: nn.Module, example_input: Any) -> None:
             run_model(model, example_input)
     except Exception as error:
         raise ValueError(
-            f"{type(model).__name__} does not run on the example input ({describe_input(example_input)}): "
+            f"{user_class(model).__name__} does not run on the example input ({describe_input(example_input)}): "
             f"{type(error).__name__}: {error}"
         ) from error
 
@@ -145,23 +151,6 @@ def _meta_backend(gm: fx.GraphModule, example_inputs):
     return aot_eager_backend(gm, example_inputs)
 
 
-@contextlib.contextmanager
-def recording(model: nn.Module, pre: list[fx.Graph], post: list[fx.Graph]) -> Iterator[None]:
-    """Compiles inside run `[snapshot, model's pass, snapshot, passes already configured]`.
-
-    The chain holds the model's pass, so the wrapped forward (`passes/install.py`) sees it
-    installed already and adds only its other settings.
-    """
-    ours = pass_of(model)
-    chain = [_Snapshot(pre, "pre"), *([ours] if ours is not None else []), _Snapshot(post, "post")]
-    chain += list(configured_passes(inductor_config.post_grad_custom_post_pass))
-    with (
-        inductor_config.patch(post_grad_custom_post_pass=ChainedPass(chain), fx_graph_cache=False),
-        functorch_config.patch(force_non_lazy_backward_lowering=True, enable_autograd_cache=False),
-    ):
-        yield
-
-
 def capture_step(
     model: nn.Module,
     example_input: Any,
@@ -175,40 +164,19 @@ def capture_step(
     if not isinstance(model, nn.Module):
         raise TypeError(f"capture_step() takes an nn.Module, got {type(model).__name__}")
     if not getattr(model, "_simplefsdp_wrapped", False):
-        raise ValueError(f"{type(model).__name__} is not wrapped: call simplefsdp.wrap(model, mesh) first")
+        raise ValueError(f"{user_class(model).__name__} is not wrapped: call simplefsdp.wrap(model, mesh) first")
     on_meta = any(t.is_meta for t in tree_leaves(example_input) if isinstance(t, torch.Tensor))
     if on_meta and code:
         raise ValueError("inductor output code needs real tensors; the example input is on the meta device")
     _check_runs(model, example_input)
     backend = _meta_backend if on_meta else ("inductor" if code else BACKEND_NAME)
-    pre: list[fx.Graph] = []
-    post: list[fx.Graph] = []
-    compiled = torch.compile(model, backend=backend, fullgraph=True)
-
-    def step() -> None:
-        loss_fn(run_model(compiled, example_input)).backward()
-
-    with recording(model, pre, post):
-        if code:
-            _, sources = run_and_get_code(step)
-        else:
-            step()
-            sources = [None, None]
-    if len(post) != 2:
-        raise RuntimeError(
-            f"expected a forward and a backward graph from compiling {type(model).__name__}, got {len(post)} "
-            "(was it compiled already in this process? torch.compiler.reset() clears Dynamo's cache)"
-        )
-    if code and len(sources) != 2:
-        raise RuntimeError(f"expected inductor code for a forward and a backward, got {len(sources)} modules")
-    logger.info("captured %s: forward %d nodes, backward %d nodes", type(model).__name__, *(len(g.nodes) for g in post))
-    return StepCapture(
-        model=model,
-        forward=post[0],
-        backward=post[1],
-        forward_pre=pre[0],
-        backward_pre=pre[1],
-        forward_code=sources[0],
-        backward_code=sources[1],
-        on_meta=on_meta,
+    graphs = record_step(
+        model, lambda compiled: loss_fn(run_model(compiled, example_input)), backend=backend, code=code
     )
+    logger.info(
+        "captured %s: forward %d nodes, backward %d nodes",
+        user_class(model).__name__,
+        len(graphs.forward.nodes),
+        len(graphs.backward.nodes),
+    )
+    return StepCapture(model=model, graphs=graphs, on_meta=on_meta)

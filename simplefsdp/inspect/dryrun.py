@@ -40,7 +40,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 import simplefsdp
-from simplefsdp._compat import fake_store
+from simplefsdp._compat import init_fake_process_group
 from simplefsdp.inspect.memory import Persistent, check_optimizer, persistent_bytes
 from simplefsdp.inspect.report import Report, inspect_model, resolve_profile
 from simplefsdp.inspect.shapes import ModelShape, model_shape
@@ -65,7 +65,7 @@ def fake_world(world_size: int) -> Iterator[None]:
             f"a process group is already initialized (backend {dist.get_backend()!r}, world "
             f"{dist.get_world_size()}); a dry run makes its own fake world: run it in a fresh process"
         )
-    dist.init_process_group("fake", store=fake_store(), rank=0, world_size=world_size)
+    init_fake_process_group(rank=0, world_size=world_size)
     try:
         yield
     finally:

@@ -29,9 +29,16 @@ import torch
 from torch import fx, nn
 
 from simplefsdp._compat import tree_leaves
-from simplefsdp.inspect.buckets import collective_kind
 from simplefsdp.inspect.capture import StepCapture
-from simplefsdp.passes.collectives import derives_from_all_gather, is_view_of_input, is_wait
+from simplefsdp.passes.collectives import (
+    derives_from_all_gather,
+    is_all_gather,
+    is_all_reduce,
+    is_bucket_copy,
+    is_reduce_scatter,
+    is_view_of_input,
+    is_wait,
+)
 
 __all__ = [
     "OPTIMIZER_STATES",
@@ -99,10 +106,9 @@ def _alias_of(node: fx.Node) -> fx.Node | None:
 
 
 def _kind(root: fx.Node) -> str:
-    kind = collective_kind(root)
-    if kind in ("reduce_scatter", "all_reduce"):
+    if is_reduce_scatter(root) or is_all_reduce(root):
         return "reduced gradients"
-    if kind == "all_gather" or getattr(root.target, "namespace", "") == "simplefsdp" or derives_from_all_gather(root):
+    if is_all_gather(root) or is_bucket_copy(root) or derives_from_all_gather(root):
         return "gathered / comm buffers"
     return "activations"
 

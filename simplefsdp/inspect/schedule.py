@@ -21,16 +21,14 @@ the same on every rank and every run.
 from __future__ import annotations
 
 import dataclasses
-import re
 
 import torch
 from torch import fx
-from torch.utils.flop_counter import flop_registry
 
-from simplefsdp.inspect.buckets import collective_kind, group_of
+from simplefsdp._compat import flop_registry, module_fqn
+from simplefsdp.blocks import block_of, find_repeated_blocks
 from simplefsdp.passes import cost
-from simplefsdp.passes.collectives import is_wait
-from simplefsdp.passes.plan import find_repeated_blocks
+from simplefsdp.passes.collectives import Collective, is_bucket_copy, is_wait, parse_collective
 
 __all__ = [
     "OPTIMIZER_BYTES_PER_ELEMENT",
@@ -38,7 +36,6 @@ __all__ = [
     "ComputeSpan",
     "PhaseSchedule",
     "StepSchedule",
-    "module_path",
     "simulate",
     "simulate_step",
 ]
@@ -46,18 +43,6 @@ __all__ = [
 # bytes read + written per fp32 sharded element by one optimizer step: SGD reads the grad and
 # reads / writes the param; AdamW also reads / writes two moments
 OPTIMIZER_BYTES_PER_ELEMENT = {"adamw": 4 + 8 + 16, "sgd": 4 + 8, "none": 0}
-
-_STACK_PART = re.compile(r"\[['\"]?([^'\"\]]+)['\"]?\]")
-
-
-def module_path(node: fx.Node) -> str:
-    """FQN of the innermost module the node was traced in ("" at the root or if unknown)."""
-    stack = node.meta.get("nn_module_stack") or node.meta.get("fwd_nn_module_stack") or {}
-    if not stack:
-        return ""
-    path = next(reversed(stack.values()))[0]  # e.g. "L['self'].layers[0].attention" or "L['self']._modules['x']"
-    path = path.removeprefix("L['self']").replace("._modules", "")
-    return _STACK_PART.sub(r".\1", path).strip(".")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -137,25 +122,20 @@ class StepSchedule:
 
 def _label(node: fx.Node) -> str:
     op = getattr(node.target, "__name__", str(node.target)).split(".")[0]
-    return f"{module_path(node) or '(root)'} {op}"
-
-
-def _is_fsdp_copy(node: fx.Node) -> bool:
-    """simplefsdp's bucket copy-in / copy-out ops: communication plumbing, not the model's compute."""
-    return getattr(node.target, "namespace", "") == "simplefsdp"
+    return f"{module_fqn(node) or '(root)'} {op}"
 
 
 def _group(node: fx.Node, blocks: list[str]) -> str:
-    if _is_fsdp_copy(node):
+    if is_bucket_copy(node):
         return "fsdp copies"
-    path = module_path(node)
-    block = next((b for b in blocks if path == b or path.startswith(b + ".")), None)
+    path = module_fqn(node)
+    block = block_of(path, blocks)
     return block if block is not None else (path.split(".")[0] or "(root)")
 
 
 @dataclasses.dataclass
 class _Launch:
-    node: fx.Node
+    collective: Collective
     start_s: float
     end_s: float
     launch_s: float
@@ -183,15 +163,13 @@ def simulate(
     spans, stalls, pending, done = [], [], {}, []
     span_start, span_label, waiting_for_compute = clock, None, []
     for node in graph.nodes:
-        kind = collective_kind(node)
-        if kind is not None:
-            lane, size = group_of(node)
-            full = node.meta["val"] if kind == "all_gather" else node.args[0].meta["val"]
-            nbytes = full.numel() * full.dtype.itemsize
+        collective = parse_collective(node)
+        if collective is not None:
+            lane = collective.group_name
             begin = max(clock, stream_free.get(lane, start_s))
-            end = begin + cost.collective_seconds(device, kind=kind, nbytes=nbytes, world=size)
+            end = begin + cost.seconds_of(device, collective)
             stream_free[lane] = end
-            pending[node] = _Launch(node=node, start_s=begin, end_s=end, launch_s=clock)
+            pending[node] = _Launch(collective=collective, start_s=begin, end_s=end, launch_s=clock)
             waiting_for_compute.append(("launch", pending[node]))
         elif is_wait(node) and node.args[0] in pending:
             launch = pending[node.args[0]]
@@ -212,7 +190,7 @@ def simulate(
             if label != span_label:
                 _close_span(spans, span_start, clock, span_label)
                 span_start, span_label = clock, label
-            if not _is_fsdp_copy(node):  # name the model's compute, not the bucket plumbing
+            if not is_bucket_copy(node):  # name the model's compute, not the bucket plumbing
                 for what, launch in waiting_for_compute:
                     if what == "launch":
                         launch.launched_before = _label(node)
@@ -232,16 +210,14 @@ def simulate(
 
 
 def _event(phase: str, launch: _Launch) -> CommEvent:
-    node = launch.node
-    kind = collective_kind(node)
-    full = node.meta["val"] if kind == "all_gather" else node.args[0].meta["val"]
+    collective = launch.collective
     wait_s, stall, waited_before = launch.wait
     return CommEvent(
         phase=phase,
-        name=node.name,
-        collective=kind,
-        lane=group_of(node)[0],
-        nbytes=full.numel() * full.dtype.itemsize,
+        name=collective.launch.name,
+        collective=collective.kind,
+        lane=collective.group_name,
+        nbytes=collective.full_nbytes,
         launch_s=launch.launch_s,
         start_s=launch.start_s,
         end_s=launch.end_s,

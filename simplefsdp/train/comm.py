@@ -1,6 +1,7 @@
 """The one-line communication summary of a compiled training step: buckets and overlap.
 
-    with recording(model) as graphs:      # around the first (compiling) call of the step
+    # simplefsdp.inspect.record.recording, simplefsdp.passes.install.pass_of
+    with recording(pass_of(model)) as graphs:   # around the first (compiling) call of the step
         loss_fn(compiled(batch)).backward()
     summary = summarize(model, graphs, profile=cost.profile("cpu-gloo"))
     print(summary.line())   # comm: 10 collectives/step (from 58 traced), 81% overlapped (cost model cpu-gloo)
@@ -19,34 +20,16 @@ Eager runs trace nothing: the summary says so instead of guessing.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-from collections.abc import Iterator
 
 from torch import fx, nn
 
-from simplefsdp.inspect.buckets import is_collective
-from simplefsdp.inspect.capture import recording as record_graphs
+from simplefsdp.inspect.record import StepGraphs
 from simplefsdp.inspect.schedule import simulate_step
 from simplefsdp.passes import cost
+from simplefsdp.passes.collectives import is_collective
 
-__all__ = ["CommSummary", "StepGraphs", "recording", "summarize"]
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class StepGraphs:
-    """Post-grad graphs compiled while recording: before (`pre`) and after (`post`) simplefsdp's pass."""
-
-    pre: list[fx.Graph]
-    post: list[fx.Graph]
-
-
-@contextlib.contextmanager
-def recording(model: nn.Module) -> Iterator[StepGraphs]:
-    """Compiles of `model` inside the block are recorded (and bypass the compile caches, so they happen)."""
-    graphs = StepGraphs(pre=[], post=[])
-    with record_graphs(model, graphs.pre, graphs.post):
-        yield graphs
+__all__ = ["CommSummary", "summarize"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

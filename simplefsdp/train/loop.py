@@ -33,8 +33,10 @@ from tqdm import tqdm
 
 import simplefsdp
 from simplefsdp import checkpoint
+from simplefsdp.inspect.record import recording
 from simplefsdp.models import Transformer, TransformerArgs, tensor_parallel_plan
 from simplefsdp.passes import cost
+from simplefsdp.passes.install import pass_of
 from simplefsdp.train import comm
 from simplefsdp.train.config import DTYPES, ConfigError, TrainConfig
 from simplefsdp.train.data import VOCAB, TokenBatches
@@ -56,7 +58,9 @@ class TrainOutcome:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class Built:
+class TrainSetup:
+    """The model a run trains, and where this rank sits in data parallelism."""
+
     model: nn.Module  # the wrapped root
     step_fn: nn.Module  # what the loop calls: compiled, or the model itself in eager mode
     dp_rank: int
@@ -101,7 +105,7 @@ def profile_name(config: TrainConfig, device: torch.device) -> str:
     return "h100" if device.type == "cuda" else "cpu-gloo"
 
 
-def build_model(config: TrainConfig, device: torch.device) -> Built:
+def build_model(config: TrainConfig, device: torch.device) -> TrainSetup:
     """The wrapped (and compiled) model, the same on every rank for a given seed."""
     dp_mesh, tp_mesh, dp_rank, dp_size = _meshes(config, device.type)
     args = TransformerArgs(
@@ -131,7 +135,7 @@ def build_model(config: TrainConfig, device: torch.device) -> Built:
         step_fn = model
     else:
         step_fn = torch.compile(model, backend="simplefsdp_aot_eager" if config.backend == "aot_eager" else "inductor")
-    return Built(model=model, step_fn=step_fn, dp_rank=dp_rank, dp_size=dp_size)
+    return TrainSetup(model=model, step_fn=step_fn, dp_rank=dp_rank, dp_size=dp_size)
 
 
 def check_fresh_start(config: TrainConfig) -> None:
@@ -180,11 +184,11 @@ class _Output:
             self.metrics.close()
 
 
-def _resume(config: TrainConfig, built: Built, opt: torch.optim.Optimizer, batches: TokenBatches) -> int:
+def _resume(config: TrainConfig, setup: TrainSetup, opt: torch.optim.Optimizer, batches: TokenBatches) -> int:
     """The step to start from: the newest checkpoint's (restored in place), or 0."""
     if not config.resume:
         return 0
-    loaded = checkpoint.load_checkpoint(config.checkpoint_dir, model=built.model, optimizer=opt, missing_ok=True)
+    loaded = checkpoint.load_checkpoint(config.checkpoint_dir, model=setup.model, optimizer=opt, missing_ok=True)
     if loaded is None:
         logger.warning("--resume: no checkpoint under %s, starting from step 0", config.checkpoint_dir)
         return 0
@@ -193,29 +197,29 @@ def _resume(config: TrainConfig, built: Built, opt: torch.optim.Optimizer, batch
     return loaded.step
 
 
-def _save(config: TrainConfig, built: Built, opt: torch.optim.Optimizer, batches: TokenBatches, step: int) -> None:
+def _save(config: TrainConfig, setup: TrainSetup, opt: torch.optim.Optimizer, batches: TokenBatches, step: int) -> None:
     extra = {"data": batches.state_dict()}
     checkpoint.save_checkpoint(
-        config.checkpoint_dir, step=step, model=built.model, optimizer=opt, extra=extra, keep_last=config.keep_last
+        config.checkpoint_dir, step=step, model=setup.model, optimizer=opt, extra=extra, keep_last=config.keep_last
     )
 
 
 def train(config: TrainConfig, *, device: torch.device) -> TrainOutcome:
     """Run the steps from the resumed (or first) step to `config.steps`; see the module docstring."""
     check_fresh_start(config)
-    built = build_model(config, device)
-    opt = torch.optim.AdamW(built.model.parameters(), lr=config.lr)
+    setup = build_model(config, device)
+    opt = torch.optim.AdamW(setup.model.parameters(), lr=config.lr)
     batches = TokenBatches(
         seq_len=config.seq_len,
         batch_per_rank=config.batch_per_rank,
-        dp_rank=built.dp_rank,
-        dp_size=built.dp_size,
+        dp_rank=setup.dp_rank,
+        dp_size=setup.dp_size,
         seed=config.seed,
     )
-    start = _resume(config, built, opt, batches)
+    start = _resume(config, setup, opt, batches)
     out = _Output(config, start=start, enabled=dist.get_rank() == 0)
     try:
-        outcome = _steps(config, built, opt, batches, out, start=start, device=device)
+        outcome = _steps(config, setup, opt, batches, out, start=start, device=device)
         out.write_metrics({"summary": _summary_record(outcome)})
     finally:
         out.close()
@@ -224,7 +228,7 @@ def train(config: TrainConfig, *, device: torch.device) -> TrainOutcome:
 
 def _steps(
     config: TrainConfig,
-    built: Built,
+    setup: TrainSetup,
     opt: torch.optim.Optimizer,
     batches: TokenBatches,
     out: _Output,
@@ -232,18 +236,18 @@ def _steps(
     start: int,
     device: torch.device,
 ) -> TrainOutcome:
-    tokens_per_step = config.batch_per_rank * config.seq_len * built.dp_size
+    tokens_per_step = config.batch_per_rank * config.seq_len * setup.dp_size
     losses, rates, summary = [], [], comm.CommSummary(traced=False)
     for step in range(start, config.steps):
         tokens = next(batches).to(device)  # [B, S + 1]
         first = step == start
         began = time.perf_counter()
         if first and config.backend != "eager":
-            with comm.recording(built.model) as graphs:  # the compiling call: keep its graphs
-                loss = _forward_backward(built.step_fn, tokens)
-            summary = comm.summarize(built.model, graphs, profile=cost.profile(profile_name(config, device)))
+            with recording(pass_of(setup.model)) as graphs:  # the compiling call: keep its graphs
+                loss = _forward_backward(setup.step_fn, tokens)
+            summary = comm.summarize(setup.model, graphs, profile=cost.profile(profile_name(config, device)))
         else:
-            loss = _forward_backward(built.step_fn, tokens)
+            loss = _forward_backward(setup.step_fn, tokens)
         opt.step()
         opt.zero_grad(set_to_none=True)
         dist.all_reduce(loss)  # the tp ranks of one dp rank hold the same loss: the mean is the dp mean
@@ -259,7 +263,7 @@ def _steps(
         if first:
             out.say(summary.line())
         if (config.checkpoint_every and (step + 1) % config.checkpoint_every == 0) or step + 1 == config.steps:
-            _save(config, built, opt, batches, step + 1)
+            _save(config, setup, opt, batches, step + 1)
     return TrainOutcome(
         start_step=start,
         end_step=config.steps,

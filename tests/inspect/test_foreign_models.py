@@ -1,7 +1,7 @@
 """Models nobody here wrote, built from a config (no download): Hugging Face Llama and ResNet.
 
-torchvision / timm: the only torchvision wheel this machine's package index holds is a CUDA build
-(it fails to load on the CPU torch), and timm imports torchvision, so the vision model is
+torchvision / timm: the torchvision wheels that install beside the CPU build of torch 2.13 fail to
+load on it, and timm imports torchvision, so the vision model is
 transformers' own ResNet.
 """
 

@@ -7,15 +7,16 @@ import torch
 from torch.distributed.device_mesh import init_device_mesh
 
 import simplefsdp
+from simplefsdp._compat import c10d_functional as c10d
 from simplefsdp._compat import functorch_config, inductor_config
+from simplefsdp.blocks import find_repeated_blocks
+from simplefsdp.inspect.record import record_step
 from simplefsdp.models import Transformer, TransformerArgs
 from simplefsdp.passes.collectives import collective_counts
 from simplefsdp.passes.detect import find_fsdp_all_gathers, find_fsdp_reductions
 from simplefsdp.passes.fsdp_pass import BucketConfig, FsdpPass, PassConfig
 from simplefsdp.passes.install import pass_of
-from simplefsdp.passes.plan import find_repeated_blocks
 from simplefsdp.passes.reorder import ReorderConfig
-from tests._graphs import capture_post_grad
 
 ARGS = TransformerArgs(vocab_size=67, dim=32, n_layers=2, n_heads=4, ffn_dim=88, max_seq_len=16)
 N_PARAMS = len(list(Transformer(ARGS).parameters()))
@@ -27,13 +28,15 @@ def _bucketed_graphs(strategy: str, config: BucketConfig, args: TransformerArgs 
     torch.manual_seed(0)
     model = simplefsdp.wrap(Transformer(args), mesh, strategy=parsed, passes=None)  # the pass under test runs instead
     tokens = torch.randint(0, args.vocab_size, (2, 8))
-    return capture_post_grad(model, lambda compiled: compiled(tokens).sum(), before=FsdpPass(PassConfig(bucket=config)))
+    return record_step(
+        model, lambda compiled: compiled(tokens).sum(), graph_pass=FsdpPass(PassConfig(bucket=config))
+    ).post
 
 
 @pytest.mark.parametrize("strategy", ["FULL_SHARD", "HYBRID_SHARD"])
 def test_one_bucket_per_kind_when_everything_fits(fake_world8, strategy):
     forward, backward = _bucketed_graphs(strategy, BucketConfig(plan="cap", cap_bytes=2**30))
-    fwd, bwd = _counts(forward), _counts(backward)
+    fwd, bwd = collective_counts(forward), collective_counts(backward)
     assert fwd["all_gather"] == 1
     assert bwd["all_gather"] == 1, "the re-gathers merge too"
     assert bwd["reduce_scatter"] == 1
@@ -50,7 +53,7 @@ def test_default_block_plan_one_bucket_per_block_plus_rest(fake_world8, world):
     """L = 8 blocks: L + 1 all-gathers forward, L + 1 re-gathers and L + 1 reduce-scatters backward."""
     blocks = tuple(find_repeated_blocks(Transformer(L8)))
     forward, backward = _bucketed_graphs("FULL_SHARD", BucketConfig(blocks=blocks), L8)
-    fwd, bwd = _counts(forward), _counts(backward)
+    fwd, bwd = collective_counts(forward), collective_counts(backward)
     assert fwd["all_gather"] == L8.n_layers + 1
     assert bwd["all_gather"] == L8.n_layers + 1
     assert bwd["reduce_scatter"] == L8.n_layers + 1
@@ -59,15 +62,15 @@ def test_default_block_plan_one_bucket_per_block_plus_rest(fake_world8, world):
 def test_manual_pattern_plan(fake_world8):
     patterns = ("tok_embeddings", "layers.*", "norm+output")
     forward, backward = _bucketed_graphs("FULL_SHARD", BucketConfig(plan="patterns", patterns=patterns), L8)
-    assert _counts(forward)["all_gather"] == 1 + L8.n_layers + 1
-    assert _counts(backward)["reduce_scatter"] == 1 + L8.n_layers + 1
+    assert collective_counts(forward)["all_gather"] == 1 + L8.n_layers + 1
+    assert collective_counts(backward)["reduce_scatter"] == 1 + L8.n_layers + 1
 
 
 def test_collectives_carry_their_parameter_name(fake_world8):
     mesh = init_device_mesh("cpu", (8,))
     model = simplefsdp.wrap(Transformer(ARGS), mesh, passes=None)
     tokens = torch.randint(0, ARGS.vocab_size, (2, 8))
-    forward, backward = capture_post_grad(model, lambda compiled: compiled(tokens).sum())
+    forward, backward = record_step(model, lambda compiled: compiled(tokens).sum()).post
     names = [fqn for fqn, _ in Transformer(ARGS).named_parameters()]
     assert [g.owner for g in find_fsdp_all_gathers(forward)] == names, "forward gathers in parameter order"
     assert sorted(r.owner for r in find_fsdp_reductions(backward)) == sorted(names)
@@ -78,10 +81,6 @@ def test_bad_bucket_config():
         BucketConfig(plan="fancy")
     with pytest.raises(ValueError, match="the 'patterns' bucket plan needs patterns"):
         BucketConfig(plan="patterns")
-
-
-def _counts(graph: torch.fx.Graph):
-    return collective_counts(torch.fx.GraphModule(torch.nn.Module(), graph))
 
 
 def test_tiny_cap_changes_nothing(fake_world8):
@@ -96,7 +95,7 @@ def test_dependent_reductions_are_not_merged():
     from simplefsdp.passes.bucket import apply_reduction_buckets, independent
     from simplefsdp.passes.plan import Bucket
 
-    c10d, aten = torch.ops._c10d_functional, torch.ops.aten
+    aten = torch.ops.aten
     with FakeTensorMode() as mode:
         grad = mode.from_tensor(torch.zeros(16))
         shard = torch.empty(2)
@@ -122,10 +121,10 @@ def test_passes_off_leave_one_collective_per_parameter(fake_world8):
     mesh = init_device_mesh("cpu", (8,))
     model = simplefsdp.wrap(Transformer(ARGS), mesh, passes=None)
     tokens = torch.randint(0, ARGS.vocab_size, (2, 8))
-    forward, backward = capture_post_grad(model, lambda compiled: compiled(tokens).sum())
+    forward, backward = record_step(model, lambda compiled: compiled(tokens).sum()).post
     assert pass_of(model) is None
-    assert _counts(forward)["all_gather"] == N_PARAMS
-    assert _counts(backward)["reduce_scatter"] == N_PARAMS
+    assert collective_counts(forward)["all_gather"] == N_PARAMS
+    assert collective_counts(backward)["reduce_scatter"] == N_PARAMS
 
 
 def test_auto_plan_on_a_real_graph_is_valid_and_deterministic(fake_world8):
@@ -135,7 +134,7 @@ def test_auto_plan_on_a_real_graph_is_valid_and_deterministic(fake_world8):
     for _ in range(2):
         torch.compiler.reset()
         forward, backward = _bucketed_graphs("FULL_SHARD", config)
-        counts.append((_counts(forward)["all_gather"], _counts(backward)["reduce_scatter"]))
+        counts.append((collective_counts(forward)["all_gather"], collective_counts(backward)["reduce_scatter"]))
     assert counts[0] == counts[1]
     assert 1 <= counts[0][0] < N_PARAMS
     assert 1 <= counts[0][1] < N_PARAMS
@@ -182,7 +181,7 @@ def _reordered_graphs(fake_world8, reorder: ReorderConfig):
     tokens = torch.randint(0, L8.vocab_size, (2, 8))
     blocks = tuple(find_repeated_blocks(model))
     config = PassConfig(bucket=BucketConfig(blocks=blocks), reorder=reorder)
-    return capture_post_grad(model, lambda compiled: compiled(tokens).sum(), before=FsdpPass(config))
+    return record_step(model, lambda compiled: compiled(tokens).sum(), graph_pass=FsdpPass(config)).post
 
 
 def test_prefetch_depth_and_memory_budget(fake_world8):
@@ -204,7 +203,6 @@ def test_gathers_on_different_process_groups_are_not_merged():
     """Two parameter all-gathers on groups "0" and "1": even a plan that would take everything keeps them apart."""
     from simplefsdp._compat import FakeTensorMode
 
-    c10d = torch.ops._c10d_functional
     with FakeTensorMode() as mode:
         shard = mode.from_tensor(torch.zeros(4))
     g = torch.fx.Graph()
@@ -225,7 +223,7 @@ def test_only_dim0_tail_pads_are_folded_into_the_copy_in(fake_world8):
     """The copy-in op pads each shard at its end (dim 0 rows); any other pad stays in the graph."""
     from simplefsdp._compat import FakeTensorMode
 
-    c10d, aten = torch.ops._c10d_functional, torch.ops.aten
+    aten = torch.ops.aten
     with FakeTensorMode() as mode:
         shard = mode.from_tensor(torch.zeros(3, 4))
         vals = {
@@ -266,7 +264,7 @@ def test_a_cast_chain_keeps_its_intermediate_rounding(fake_world8):
     last cast folds into it and the bf16 cast stays in the graph."""
     from simplefsdp._compat import FakeTensorMode
 
-    c10d, prims = torch.ops._c10d_functional, torch.ops.prims
+    prims = torch.ops.prims
     with FakeTensorMode() as mode:
         shard = mode.from_tensor(torch.zeros(4, 4))
         low, gathered = shard.to(torch.bfloat16), torch.empty(32, 4)

@@ -8,10 +8,11 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 import simplefsdp
+from simplefsdp._compat import c10d_functional
+from simplefsdp.inspect.record import record_step
 from simplefsdp.models import Transformer, TransformerArgs
 from simplefsdp.passes.collectives import collective_counts
 from simplefsdp.passes.detect import find_fsdp_all_gathers, find_fsdp_reductions
-from tests._graphs import capture_post_grad
 
 ARGS = TransformerArgs(vocab_size=67, dim=32, n_layers=2, n_heads=4, ffn_dim=88, max_seq_len=16)
 N_PARAMS = len(list(Transformer(ARGS).parameters()))
@@ -23,8 +24,7 @@ def _post_grad(strategy: str, mp_policy=None):
     torch.manual_seed(0)
     model = simplefsdp.wrap(Transformer(ARGS), mesh, strategy=parsed, mp_policy=mp_policy, passes=None)
     tokens = torch.randint(0, ARGS.vocab_size, (2, 8))
-    forward, backward = capture_post_grad(model, lambda compiled: compiled(tokens).float().sum())
-    return forward, backward
+    return record_step(model, lambda compiled: compiled(tokens).float().sum()).post
 
 
 @pytest.mark.parametrize("strategy", ["FULL_SHARD", "HYBRID_SHARD"])
@@ -64,17 +64,13 @@ def test_ignores_collectives_that_are_not_fsdp(fake_world8):
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             group = dist.group.WORLD
-            gathered = torch.ops._c10d_functional.all_gather_into_tensor(self.linear(x), 8, group.group_name)
-            gathered = torch.ops._c10d_functional.wait_tensor(gathered)
-            reduced = torch.ops._c10d_functional.all_reduce(gathered.sum(0), "sum", group.group_name)
-            return torch.ops._c10d_functional.wait_tensor(reduced).relu()
+            gathered = c10d_functional.all_gather_into_tensor(self.linear(x), 8, group.group_name)
+            gathered = c10d_functional.wait_tensor(gathered)
+            reduced = c10d_functional.all_reduce(gathered.sum(0), "sum", group.group_name)
+            return c10d_functional.wait_tensor(reduced).relu()
 
     x = torch.randn(2, 4, requires_grad=True)
-    forward, _ = capture_post_grad(UserCollectives(), lambda compiled: compiled(x).sum())
-    assert collective_counts_of(forward)["all_gather"] == 1
+    forward, _ = record_step(UserCollectives(), lambda compiled: compiled(x).sum()).post
+    assert collective_counts(forward)["all_gather"] == 1
     assert find_fsdp_all_gathers(forward) == []
     assert find_fsdp_reductions(forward) == []
-
-
-def collective_counts_of(graph):
-    return collective_counts(torch.fx.GraphModule(torch.nn.Module(), graph))

@@ -8,7 +8,7 @@ from torch import fx
 
 from simplefsdp._compat import CustomGraphPass, CustomInferenceAwareGraphPass
 from simplefsdp.passes.fsdp_pass import FsdpPass
-from simplefsdp.passes.install import ChainedPass, _with
+from simplefsdp.passes.install import ChainedPass, chained_with
 
 
 class _Named(CustomGraphPass):
@@ -35,27 +35,27 @@ class _Aware(CustomInferenceAwareGraphPass):
 
 def test_ours_runs_first_then_the_users():
     log, ours = [], FsdpPass()
-    chain = _with(ours, _Named("user", log))
+    chain = chained_with(ours, _Named("user", log))
     assert isinstance(chain, ChainedPass)
     assert chain.passes[0] is ours
     chain(fx.Graph())
     assert log == ["user"]
     assert ours.graphs == 1
-    assert _with(ours, None) is ours, "alone when the user set nothing"
-    assert _with(ours, chain) is chain, "not installed twice"
+    assert chained_with(ours, None) is ours, "alone when the user set nothing"
+    assert chained_with(ours, chain) is chain, "not installed twice"
 
 
 def test_chain_cache_key():
     log, ours = [], FsdpPass()
-    keyed = _with(ours, _Named("user", log))
+    keyed = chained_with(ours, _Named("user", log))
     assert keyed.uuid()
-    assert keyed.uuid() != _with(ours, _Named("other", log)).uuid()
-    assert _with(ours, lambda graph: None).uuid() is None, "a plain callable cannot key the cache"
+    assert keyed.uuid() != chained_with(ours, _Named("other", log)).uuid()
+    assert chained_with(ours, lambda graph: None).uuid() is None, "a plain callable cannot key the cache"
 
 
 def test_inference_flag_reaches_aware_passes():
     log = []
-    chain = _with(FsdpPass(), [_Aware(log), _Named("plain", log)])
+    chain = chained_with(FsdpPass(), [_Aware(log), _Named("plain", log)])
     chain(fx.Graph(), is_inference=True)
     assert log == [("aware", True), "plain"]
 

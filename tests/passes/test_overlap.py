@@ -14,7 +14,8 @@ from torch import fx
 from torch.distributed.device_mesh import init_device_mesh
 
 import simplefsdp
-from simplefsdp._compat import CustomGraphPass, fake_store, functorch_config, inductor_config, run_and_get_code
+from simplefsdp._compat import functorch_config, inductor_config, init_fake_process_group, run_and_get_code
+from simplefsdp.inspect.record import GraphRecorder
 from simplefsdp.models import Transformer, TransformerArgs
 from simplefsdp.passes.collectives import collective_counts, is_all_gather, is_reduce_scatter, is_wait
 from simplefsdp.passes.fsdp_pass import FsdpPass
@@ -29,22 +30,9 @@ L8_WIDE = dataclasses.replace(L8, dim=64, ffn_dim=128)
 
 @pytest.fixture(scope="module", params=[8, 64])
 def fake_world(request):
-    dist.init_process_group("fake", store=fake_store(), rank=0, world_size=request.param)
+    init_fake_process_group(rank=0, world_size=request.param)
     yield request.param
     dist.destroy_process_group()
-
-
-class _Record(CustomGraphPass):
-    """A user's own post-grad pass: records the graphs it sees."""
-
-    def __init__(self) -> None:
-        self.graphs: list[fx.Graph] = []
-
-    def __call__(self, graph: fx.Graph) -> None:
-        self.graphs.append(graph)
-
-    def uuid(self) -> str:
-        return "tests-record"
 
 
 def _compile_step(world: int, passes=simplefsdp.PassConfig()):
@@ -54,7 +42,7 @@ def _compile_step(world: int, passes=simplefsdp.PassConfig()):
     model = simplefsdp.wrap(Transformer(args), init_device_mesh("cpu", (world,)), passes=passes)
     tokens = torch.randint(0, L8.vocab_size, (2, 8))
     compiled = torch.compile(model)
-    user_pass = _Record()
+    user_pass = GraphRecorder("a user's own post-grad pass")  # must still run, after ours
     with (
         inductor_config.patch(post_grad_custom_post_pass=user_pass, fx_graph_cache=False),
         functorch_config.patch(enable_autograd_cache=False),
@@ -69,15 +57,11 @@ def step(fake_world):
     return _compile_step(fake_world)
 
 
-def _counts(graph: fx.Graph):
-    return collective_counts(fx.GraphModule(torch.nn.Module(), graph))
-
-
 def test_default_plan_one_collective_per_block_plus_rest(step):
     user_pass, _, model = step
     forward, backward = user_pass.graphs
     assert pass_of(model).graphs == 2, "our pass ran on the forward and the backward graph"
-    fwd, bwd = _counts(forward), _counts(backward)
+    fwd, bwd = collective_counts(forward), collective_counts(backward)
     assert fwd["all_gather"] == L8.n_layers + 1
     assert bwd["all_gather"] == L8.n_layers + 1, "FULL_SHARD re-gathers, bucketed the same way"
     assert bwd["reduce_scatter"] == L8.n_layers + 1

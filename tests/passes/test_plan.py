@@ -3,24 +3,32 @@
 from __future__ import annotations
 
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
+from simplefsdp.blocks import find_repeated_blocks, validate_patterns
 from simplefsdp.models import Transformer, TransformerArgs
 from simplefsdp.passes.plan import (
     Bucket,
     Candidate,
+    MergeKey,
     check_plan,
-    find_repeated_blocks,
     plan_by_blocks,
     plan_by_cap,
     plan_by_cost,
     plan_by_patterns,
-    validate_patterns,
 )
 
-KEYS = [("all_gather", "0", "bf16"), ("all_gather", "1", "bf16"), ("all_gather", "0", "f32")]
+
+def _key(kind: str = "all_gather", group: str = "0", dtype: torch.dtype = torch.bfloat16) -> MergeKey:
+    return MergeKey(
+        kind=kind, group_name=group, group_size=8, dtype=dtype, reduce_op=None if kind == "all_gather" else "avg"
+    )
+
+
+KEYS = [_key(group="0"), _key(group="1"), _key(group="0", dtype=torch.float32)]
 OWNERS = ["tok_embeddings.weight", "layers.0.wq.weight", "layers.0.w1.weight", "layers.1.wq.weight",
           "layers.1.w1.weight", "layers.10.wq.weight", "norm.weight", "output.weight"]  # fmt: skip
 
@@ -31,9 +39,7 @@ def candidate_lists(draw):
     return [
         Candidate(
             index=i,
-            key=draw(
-                st.sampled_from([("all_gather", "0", "bf16"), ("all_gather", "1", "bf16"), ("all_gather", "0", "f32")])
-            ),
+            key=draw(st.sampled_from(KEYS)),
             nbytes=draw(st.integers(0, 5000)),
             owner=draw(st.sampled_from(OWNERS)),
         )
@@ -71,7 +77,7 @@ def test_pattern_plan_invariants(candidates):
     check_plan(candidates, plan_by_patterns(candidates, patterns=patterns))
 
 
-def _cands(owners, key="k", nbytes=10):
+def _cands(owners, key=KEYS[0], nbytes=10):
     return [Candidate(index=i, key=key, nbytes=nbytes, owner=o) for i, o in enumerate(owners)]
 
 
@@ -88,18 +94,18 @@ def test_patterns_bucket_per_block_and_join_alternatives():
 
 
 def test_oversize_candidate_gets_its_own_bucket():
-    cands = [Candidate(0, "k", 10), Candidate(1, "k", 1000), Candidate(2, "k", 10), Candidate(3, "k", 10)]
+    cands = [Candidate(index=i, key=KEYS[0], nbytes=n) for i, n in enumerate([10, 1000, 10, 10])]
     assert [b.members for b in plan_by_cap(cands, cap_bytes=100)] == [(0,), (1,), (2, 3)]
 
 
 def test_different_keys_never_merge():
-    cands = [Candidate(0, ("ag", "group0"), 1), Candidate(1, ("ag", "group1"), 1), Candidate(2, ("ag", "group0"), 1)]
+    cands = [Candidate(index=i, key=KEYS[k], nbytes=1) for i, k in enumerate([0, 1, 0])]
     assert [b.members for b in plan_by_cap(cands, cap_bytes=100)] == [(0, 2), (1,)]
     assert [b.members for b in plan_by_blocks(cands, blocks=[])] == [(0, 2), (1,)]
 
 
 def test_check_plan_names_each_broken_invariant():
-    cands = [Candidate(0, "a", 1), Candidate(1, "a", 1), Candidate(2, "b", 1)]
+    cands = [Candidate(index=i, key=KEYS[k], nbytes=1) for i, k in enumerate([0, 0, 2])]
     check_plan(cands, [Bucket((0, 1)), Bucket((2,))])
     for buckets, what in [
         ([Bucket((0, 1))], "partition"),
@@ -148,23 +154,23 @@ def _latency_bandwidth(alpha: float, per_byte: float):
 @settings(max_examples=150, deadline=None)
 @given(candidates=candidate_lists(), cap=st.integers(1, 6000), data=st.data())
 def test_cost_plan_invariants(candidates, cap, data):
-    compute = [data.draw(st.floats(0, 1e-3)) for _ in candidates]
+    windows = [data.draw(st.floats(0, 1e-3)) for _ in range(len(candidates) + 1)]
     comm = _latency_bandwidth(alpha=data.draw(st.floats(0, 1e-4)), per_byte=data.draw(st.floats(0, 1e-6)))
-    buckets = plan_by_cost(candidates, compute_s=compute, comm_s=comm, cap_bytes=cap)
+    buckets = plan_by_cost(candidates, windows_s=windows, comm_s=comm, cap_bytes=cap)
     check_plan(candidates, buckets)
     sizes = {c.index: c.nbytes for c in candidates}
     for bucket in buckets:
         assert sum(sizes[i] for i in bucket.members) <= cap or len(bucket.members) == 1
-    assert buckets == plan_by_cost(candidates, compute_s=compute, comm_s=comm, cap_bytes=cap), "deterministic"
+    assert buckets == plan_by_cost(candidates, windows_s=windows, comm_s=comm, cap_bytes=cap), "deterministic"
 
 
-def _same_key(n: int, nbytes: int = 1000) -> list[Candidate]:
-    return [Candidate(index=i, key="k", nbytes=nbytes) for i in range(n)]
+def _same_key(n: int, nbytes: int = 1000, kind: str = "all_gather") -> list[Candidate]:
+    return [Candidate(index=i, key=_key(kind), nbytes=nbytes) for i in range(n)]
 
 
 def test_cost_plan_merges_everything_when_latency_dominates():
     """No compute to hide behind: every extra collective only adds latency, so one bucket."""
-    buckets = plan_by_cost(_same_key(6), compute_s=[0.0] * 6, comm_s=_latency_bandwidth(1e-3, 1e-9), cap_bytes=10**9)
+    buckets = plan_by_cost(_same_key(6), windows_s=[0.0] * 7, comm_s=_latency_bandwidth(1e-3, 1e-9), cap_bytes=10**9)
     assert [b.members for b in buckets] == [(0, 1, 2, 3, 4, 5)]
 
 
@@ -172,11 +178,20 @@ def test_cost_plan_splits_when_compute_hides_the_next_bucket():
     """Plenty of compute per candidate, bandwidth-bound transfers: a small first bucket (exposed), then
     buckets whose transfer hides behind the previous bucket's compute -- less exposed than one big one."""
     comm = _latency_bandwidth(1e-6, 1e-6)  # 1000 bytes -> ~1 ms
-    buckets = plan_by_cost(_same_key(6), compute_s=[5e-3] * 6, comm_s=comm, cap_bytes=10**9)
+    buckets = plan_by_cost(_same_key(6), windows_s=[5e-3] * 7, comm_s=comm, cap_bytes=10**9)
     assert len(buckets) > 1
     assert buckets[0].members == (0,), "the first bucket is exposed: keep it small"
 
 
+def test_cost_plan_takes_reductions_from_the_last():
+    """A reduction runs behind the compute after its launch: the last one launched overlaps nothing,
+    so the plan keeps the *last* bucket small (for all-gathers, the first: see the test above)."""
+    comm = _latency_bandwidth(1e-6, 1e-6)
+    buckets = plan_by_cost(_same_key(6, kind="reduce_scatter"), windows_s=[5e-3] * 7, comm_s=comm, cap_bytes=10**9)
+    assert len(buckets) > 1
+    assert buckets[-1].members == (5,), "the last bucket is exposed: keep it small"
+
+
 def test_cost_plan_respects_the_cap():
-    buckets = plan_by_cost(_same_key(6), compute_s=[0.0] * 6, comm_s=_latency_bandwidth(1e-3, 0), cap_bytes=2000)
+    buckets = plan_by_cost(_same_key(6), windows_s=[0.0] * 7, comm_s=_latency_bandwidth(1e-3, 0), cap_bytes=2000)
     assert [b.members for b in buckets] == [(0, 1), (2, 3), (4, 5)]

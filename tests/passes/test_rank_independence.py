@@ -22,14 +22,14 @@ from torch import fx
 from torch.distributed.device_mesh import init_device_mesh
 
 import simplefsdp
-from simplefsdp._compat import CustomGraphPass, fake_store
+from simplefsdp._compat import init_fake_process_group
+from simplefsdp.blocks import find_repeated_blocks
+from simplefsdp.inspect.record import record_step
 from simplefsdp.models import Transformer, TransformerArgs
 from simplefsdp.passes import cost
-from simplefsdp.passes.collectives import is_all_gather, is_all_reduce, is_reduce_scatter, is_wait
+from simplefsdp.passes.collectives import is_wait, parse_collective
 from simplefsdp.passes.detect import find_fsdp_all_gathers, find_fsdp_reductions
 from simplefsdp.passes.fsdp_pass import BucketConfig, FsdpPass, PassConfig
-from simplefsdp.passes.plan import find_repeated_blocks
-from tests._graphs import capture_post_grad
 
 ARGS = TransformerArgs(vocab_size=67, dim=32, n_layers=3, n_heads=4, ffn_dim=88, max_seq_len=16)
 WIDE = dataclasses.replace(ARGS, dim=64, ffn_dim=128)  # world 64: only the vocabulary uneven (compiles fast)
@@ -62,10 +62,10 @@ def _sequence(graph: fx.Graph) -> list[tuple]:
     for node in graph.nodes:
         if is_wait(node):
             sequence.append(("wait", launches[node.args[0].name]))
-        elif is_all_gather(node) or is_reduce_scatter(node) or is_all_reduce(node):
+        elif (collective := parse_collective(node)) is not None:
             launches[node.name] = len(launches)
             val = node.meta["val"]
-            group = groups.setdefault(node.kwargs.get("group_name", node.args[-1]), len(groups))
+            group = groups.setdefault(collective.group_name, len(groups))
             sequence.append((node.target.name(), group, val.dtype, val.numel(), tuple(val.shape)))
     return sequence
 
@@ -74,22 +74,12 @@ def _input_shapes(graph: fx.Graph) -> list[tuple[int, ...]]:
     return [tuple(n.meta["val"].shape) for n in graph.find_nodes(op="placeholder")]
 
 
-class _WindowsThen(CustomGraphPass):
-    """Records the cost model's compute windows around the FSDP collectives of each incoming graph
-    (what the auto plan decides with), then runs `graph_pass`."""
-
-    def __init__(self, graph_pass: FsdpPass) -> None:
-        self.graph_pass, self.windows = graph_pass, []
-
-    def __call__(self, graph: fx.Graph) -> None:
-        device = cost.profile("h100")
-        for found in (find_fsdp_all_gathers(graph), find_fsdp_reductions(graph)):
-            if found:
-                self.windows.append(cost.compute_between(device, graph, [c.collective for c in found]))
-        self.graph_pass(graph)
-
-    def uuid(self) -> str:
-        return self.graph_pass.uuid()
+def _windows(graph: fx.Graph) -> list[list[float]]:
+    """The cost model's compute windows around the FSDP collectives of a graph before the pass
+    (what the auto plan decides with)."""
+    device = cost.profile("h100")
+    found = [find_fsdp_all_gathers(graph), find_fsdp_reductions(graph)]
+    return [cost.compute_between(device, graph, [c.launch for c in f]) for f in found if f]
 
 
 @dataclasses.dataclass
@@ -105,7 +95,7 @@ class RankResult:
 def _as_rank(rank: int, case: Case) -> RankResult:
     """In a fresh process (torch caches DTensor specs, process-group names included, across
     re-initialisations): what rank `rank` of `case` traces and the pass makes of it."""
-    dist.init_process_group("fake", store=fake_store(), rank=rank, world_size=case.world)
+    init_fake_process_group(rank=rank, world_size=case.world)
     try:
         parsed = simplefsdp.ShardingStrategy.parse(case.strategy)
         mesh = init_device_mesh("cpu", (2, case.world // 2) if parsed.is_hybrid else (case.world,))
@@ -113,14 +103,13 @@ def _as_rank(rank: int, case: Case) -> RankResult:
         model = simplefsdp.wrap(Transformer(case.args), mesh, strategy=parsed, passes=None)
         blocks = tuple(find_repeated_blocks(model))
         bucket = BucketConfig(blocks=blocks) if case.plan == "blocks" else BucketConfig(plan="auto", device="h100")
-        recorder = _WindowsThen(FsdpPass(PassConfig(bucket=bucket)))
+        graph_pass = FsdpPass(PassConfig(bucket=bucket))
         tokens = torch.randint(0, case.args.vocab_size, (2, 8))
-        graphs = capture_post_grad(model, lambda compiled: compiled(tokens).sum(), before=recorder)
-        graph_pass = recorder.graph_pass
+        graphs = record_step(model, lambda compiled: compiled(tokens).sum(), graph_pass=graph_pass)
         return RankResult(
-            input_shapes=_input_shapes(graphs[0]),
-            sequences=[_sequence(g) for g in graphs],
-            windows=recorder.windows,
+            input_shapes=_input_shapes(graphs.forward),
+            sequences=[_sequence(g) for g in graphs.post],
+            windows=[w for g in graphs.pre for w in _windows(g)],
             merged=graph_pass.merged,
             moved=graph_pass.moved,
             cache_key=graph_pass.uuid(),

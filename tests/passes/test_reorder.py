@@ -5,11 +5,11 @@ from __future__ import annotations
 import torch
 from torch import fx
 
-import simplefsdp.kernels  # noqa: F401  (the pass's copy ops)
 from simplefsdp._compat import FakeTensorMode
+from simplefsdp._compat import c10d_functional as c10d
 from simplefsdp.passes.reorder import ReorderConfig, reorder_reductions
 
-c10d, aten = torch.ops._c10d_functional, torch.ops.aten
+aten = torch.ops.aten
 
 
 def _two_gradients_reduced_late() -> fx.Graph:
@@ -61,7 +61,7 @@ def test_only_the_given_groups_gathers_are_prefetched(fake_world8):
     one where tensor parallelism put it."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from simplefsdp.passes.detect import group_ranks
+    from simplefsdp.passes.collectives import group_ranks
     from simplefsdp.passes.reorder import reorder_all_gathers
 
     mesh = init_device_mesh("cpu", (2, 4), mesh_dim_names=("dp", "tp"))

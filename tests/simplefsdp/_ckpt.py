@@ -23,9 +23,9 @@ from torch.distributed.tensor.parallel import parallelize_module
 import simplefsdp
 from simplefsdp import checkpoint
 from simplefsdp.models import Transformer, tensor_parallel_plan
-from tests.simplefsdp import _training as T
+from tests.simplefsdp import _training as training
 
-DATASET = torch.randint(0, T.ARGS.vocab_size, (48, T.SEQ + 1), generator=torch.Generator().manual_seed(7))
+DATASET = torch.randint(0, training.ARGS.vocab_size, (48, training.SEQ + 1), generator=torch.Generator().manual_seed(7))
 BATCH = 4  # sequences per global batch
 
 
@@ -53,7 +53,7 @@ def build(
     """The model, wrapped; with `tp` > 1 first tensor-parallel on a (world / tp, tp) mesh `(dp, tp)`."""
     torch.manual_seed(0)
     random.seed(0)
-    model = Transformer(T.ARGS)
+    model = Transformer(training.ARGS)
     if tp == 1:
         simplefsdp.wrap(model, mesh(strategy, shape), strategy=strategy)
     else:
@@ -96,7 +96,7 @@ def step(step_fn, optimizer, offset: int, *, fault: Fault | None = None, k: int 
     rows = [(offset + i) % len(DATASET) for i in range(BATCH)]
     local = DATASET[rows].chunk(dist.get_world_size())[dist.get_rank()]
     masked = local.masked_fill(torch.rand(local.shape) < 0.1, 0)
-    loss = T.loss_fn(step_fn, masked)
+    loss = training.loss_fn(step_fn, masked)
     _maybe_fault(fault, k, "mid_step")
     loss.backward()
     optimizer.step()

@@ -23,14 +23,14 @@ from pathlib import Path
 import safetensors.torch
 import torch.distributed as dist
 
-from tests.simplefsdp import _ckpt as C
+from tests.simplefsdp import _ckpt as ckpt
 
 
-def _fault(text: str | None) -> C.Fault | None:
+def _fault(text: str | None) -> ckpt.Fault | None:
     if text is None or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
         return None
     rank, step, name, where = text.split(":")
-    return C.Fault(int(rank), int(step), {"KILL": signal.SIGKILL, "STOP": signal.SIGSTOP}[name], where)
+    return ckpt.Fault(int(rank), int(step), {"KILL": signal.SIGKILL, "STOP": signal.SIGSTOP}[name], where)
 
 
 def main() -> None:
@@ -45,8 +45,8 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO)
     timeout = timedelta(seconds=args.timeout_s)
     dist.init_process_group("gloo", timeout=timeout)
-    run = C.train(args.root, strategy=args.strategy, steps=args.steps, fault=_fault(args.fault), timeout=timeout)
-    reference = C.train(None, strategy=args.strategy, steps=args.steps)
+    run = ckpt.train(args.root, strategy=args.strategy, steps=args.steps, fault=_fault(args.fault), timeout=timeout)
+    reference = ckpt.train(None, strategy=args.strategy, steps=args.steps)
     if dist.get_rank() == 0:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)

@@ -19,9 +19,9 @@ from torch.distributed.tensor import DTensor
 import simplefsdp
 from simplefsdp.models import Transformer
 from simplefsdp.passes.install import pass_of
-from tests.simplefsdp import _training as T
+from tests.simplefsdp import _training as training
 
-TIED = dataclasses.replace(T.ARGS, tie_embeddings=True)
+TIED = dataclasses.replace(training.ARGS, tie_embeddings=True)
 LORA_RANK = 4
 
 
@@ -67,8 +67,8 @@ def _train(model: nn.Module, step_fn: nn.Module, *, shard: bool) -> tuple[list[f
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5)
     rank, world = (dist.get_rank(), dist.get_world_size()) if shard else (0, 1)
     losses, frozen_grads = [], []
-    for tokens in T.batches():
-        loss = T.loss_fn(step_fn, tokens.chunk(world)[rank])
+    for tokens in training.batches():
+        loss = training.loss_fn(step_fn, tokens.chunk(world)[rank])
         loss.backward()
         frozen_grads += [fqn for fqn, p in model.named_parameters() if not p.requires_grad and p.grad is not None]
         opt.step()
@@ -83,7 +83,7 @@ def _train(model: nn.Module, step_fn: nn.Module, *, shard: bool) -> tuple[list[f
 def _result(model: nn.Module, losses: list[float], frozen_grads: list[str]) -> LoraResult:
     return LoraResult(
         losses=losses,
-        params=T.full_params(model),
+        params=training.full_params(model),
         frozen_grads=frozen_grads,
         tied_is_one_parameter=model.output._parameters["weight"] is model.tok_embeddings._parameters["weight"],
         dtypes={fqn: p.dtype for fqn, p in model.named_parameters()},
@@ -103,14 +103,14 @@ def train_lora_simplefsdp(backend: str) -> LoraResult:
 
 def clip_once(backend: str, max_norm: float) -> tuple[float, dict[str, torch.Tensor]]:
     """One backward on this rank's half batch, then `clip_grad_norm_`: (returned norm, full clipped grads)."""
-    model = T.fresh_model()
+    model = training.fresh_model()
     if backend != "reference":
         simplefsdp.wrap(model)
     step_fn = model if backend in ("eager", "reference") else torch.compile(model, backend=backend)
-    tokens = T.batches(1)[0]
+    tokens = training.batches(1)[0]
     if backend != "reference":
         tokens = tokens.chunk(dist.get_world_size())[dist.get_rank()]
-    T.loss_fn(step_fn, tokens).backward()
+    training.loss_fn(step_fn, tokens).backward()
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
     if isinstance(norm, DTensor):
         norm = norm.full_tensor()
@@ -129,17 +129,17 @@ def train_accumulating(backend: str, *, accumulate: bool):
     micro-batches (all but the last inside `no_sync`), each loss scaled by 1 / MICRO_BATCHES.
     Returns (losses, full parameters, graphs compiled so far after each step, gradients left
     pending by each step's no_sync block)."""
-    model = simplefsdp.wrap(T.fresh_model())
+    model = simplefsdp.wrap(training.fresh_model())
     step_fn = model if backend == "eager" else torch.compile(model, backend=backend)
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     losses, compiled, deferred = [], [], []
-    for tokens in T.batches():
+    for tokens in training.batches():
         local = tokens.chunk(dist.get_world_size())[dist.get_rank()]
         parts = local.chunk(MICRO_BATCHES) if accumulate else [local]
         total = 0.0
         for i, part in enumerate(parts):
             with simplefsdp.no_sync(model, enabled=i < len(parts) - 1):
-                loss = T.loss_fn(step_fn, part) / len(parts)
+                loss = training.loss_fn(step_fn, part) / len(parts)
                 loss.backward()
             if i == 0 and accumulate:
                 deferred.append(len(model._simplefsdp_accumulation.pending))
@@ -149,42 +149,42 @@ def train_accumulating(backend: str, *, accumulate: bool):
         losses.append(total)
         graph_pass = pass_of(model)
         compiled.append(graph_pass.graphs if graph_pass else 0)
-    return losses, T.full_params(model), compiled, deferred
+    return losses, training.full_params(model), compiled, deferred
 
 
 def meta_materialize(seed: int) -> tuple[dict[str, torch.Tensor], dict[str, int], int, torch.Tensor]:
     """Build on meta, wrap, materialize: (full parameters, local elements per parameter, peak
     temporary bytes, logits of the first batch)."""
     with torch.device("meta"):
-        model = Transformer(T.ARGS)
+        model = Transformer(training.ARGS)
     simplefsdp.wrap(model)
     torch.manual_seed(seed)
     peak = simplefsdp.materialize(model)
     local = {fqn: p.to_local().numel() for fqn, p in model.named_parameters()}
-    tokens = T.batches(1)[0]
+    tokens = training.batches(1)[0]
     with torch.no_grad():
         logits = model(tokens[:, :-1])
     # accumulation works on the materialized model: the same batch twice, the first deferred
-    T.loss_fn(model, tokens).backward()
+    training.loss_fn(model, tokens).backward()
     once = {fqn: p.grad.full_tensor() for fqn, p in model.named_parameters()}
     model.zero_grad()
     with simplefsdp.no_sync(model):
-        T.loss_fn(model, tokens).backward()
-    T.loss_fn(model, tokens).backward()
+        training.loss_fn(model, tokens).backward()
+    training.loss_fn(model, tokens).backward()
     for fqn, p in model.named_parameters():
         torch.testing.assert_close(p.grad.full_tensor(), 2 * once[fqn], msg=fqn)
-    return T.full_params(model), local, peak, logits
+    return training.full_params(model), local, peak, logits
 
 
 def train_checkpointed(backend: str, policy: str | None) -> tuple[list[float], dict[str, torch.Tensor]]:
     """FULL_SHARD, every block checkpointed with `policy` (None: one process, no checkpointing, the
     reference), SGD: (losses, full parameters)."""
-    model = T.fresh_model()
+    model = training.fresh_model()
     if policy is None:
         losses, _ = _train(model, model, shard=False)
-        return losses, T.full_params(model)
+        return losses, training.full_params(model)
     simplefsdp.checkpoint_blocks(model, policy=policy)
     simplefsdp.wrap(model)
     step_fn = model if backend == "eager" else torch.compile(model, backend=backend)
     losses, _ = _train(model, step_fn, shard=True)
-    return losses, T.full_params(model)
+    return losses, training.full_params(model)

@@ -21,7 +21,7 @@ from torch import nn
 from simplefsdp import checkpoint
 from simplefsdp.checkpoint import manifest, sharded
 from simplefsdp.checkpoint.safe_reader import METADATA_NAME, SafeFileSystemReader
-from tests.simplefsdp import _ckpt as C
+from tests.simplefsdp import _ckpt as ckpt
 
 STEPS, STOP = 5, 3  # resume: STOP steps, save, fresh processes, load, STEPS - STOP steps
 ONE_D = ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"]
@@ -32,7 +32,7 @@ RESUMED = {s: {"strategy": s} for s in ONE_D} | {
 }
 
 
-def _assert_same_state(actual: C.Run, expected: C.Run) -> None:
+def _assert_same_state(actual: ckpt.Run, expected: ckpt.Run) -> None:
     assert actual.params.keys() == expected.params.keys()
     assert actual.optim.keys() == expected.optim.keys()
     for name, value in [*expected.params.items(), *expected.optim.items()]:
@@ -46,14 +46,14 @@ def test_resume_is_bitwise_for_every_strategy(ranks2, tmp_path):
     Negative control: resuming without restoring the RNG states (the token masks then differ)
     must not match, so the comparison can fail."""
     roots = {name: str(tmp_path / name) for name in RESUMED}
-    ranks2.run(C.train_many, [(roots[n], {**kw, "steps": STEPS, "stop_at": STOP}) for n, kw in RESUMED.items()])
+    ranks2.run(ckpt.train_many, [(roots[n], {**kw, "steps": STEPS, "stop_at": STOP}) for n, kw in RESUMED.items()])
     shutil.copytree(roots["FULL_SHARD"], tmp_path / "no-rng")
     ranks2.close()  # fresh processes: nothing survives but the files
 
     jobs = [(roots[name], {**kwargs, "steps": STEPS}) for name, kwargs in RESUMED.items()]
     jobs += [(None, {**kwargs, "steps": STEPS}) for kwargs in RESUMED.values()]  # uninterrupted
     jobs.append((str(tmp_path / "no-rng"), {"strategy": "FULL_SHARD", "steps": STEPS, "restore_rng": False}))
-    runs = ranks2.run(C.train_many, jobs)[0]
+    runs = ranks2.run(ckpt.train_many, jobs)[0]
     resumed, uninterrupted, no_rng = runs[: len(RESUMED)], runs[len(RESUMED) : 2 * len(RESUMED)], runs[-1]
     for name, got, expected in zip(RESUMED, resumed, uninterrupted, strict=True):
         assert got.start_step == STOP, name
@@ -68,10 +68,10 @@ def test_load_reshards(ranks2, ranks4, tmp_path):
     4 ranks as HYBRID_SHARD (2x2) and as FULL_SHARD over dp 2 x tensor parallel 2: the full
     parameters and optimizer state are the saved ones, bitwise."""
     root = str(tmp_path)
-    saved = ranks4.run(C.train, root, strategy="FULL_SHARD", steps=2)[0]
-    loaded = ranks2.run(C.train_many, [(root, {"strategy": s, "steps": 2}) for s in ONE_D])[0]
-    loaded.append(ranks4.run(C.train, root, strategy="HYBRID_SHARD", steps=2)[0])
-    loaded.append(ranks4.run(C.train, root, strategy="FULL_SHARD", steps=2, tp=2)[0])
+    saved = ranks4.run(ckpt.train, root, strategy="FULL_SHARD", steps=2)[0]
+    loaded = ranks2.run(ckpt.train_many, [(root, {"strategy": s, "steps": 2}) for s in ONE_D])[0]
+    loaded.append(ranks4.run(ckpt.train, root, strategy="HYBRID_SHARD", steps=2)[0])
+    loaded.append(ranks4.run(ckpt.train, root, strategy="FULL_SHARD", steps=2, tp=2)[0])
     for run in loaded:
         assert (run.start_step, run.data_offset) == (2, saved.data_offset)
         _assert_same_state(run, saved)

@@ -40,7 +40,7 @@ def test_kill_9_mid_step_under_torchrun_resumes_bitwise(tmp_path):
 
     TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: with torchrun's shared rendezvous store (torch 2.13), the
     restarted gloo group read the killed rank's old address from the store and failed to connect
-    (seen here; pytorch/pytorch#135712)."""
+    (observed on torch 2.13 with gloo; pytorch/pytorch#135712)."""
     command = [
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--max-restarts", "2",
         "--monitor-interval", "0.5", "--standalone", "-m", WORKER, "--root", str(tmp_path / "ckpt"),

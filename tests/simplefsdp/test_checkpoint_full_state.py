@@ -16,14 +16,14 @@ import torch
 
 from simplefsdp import checkpoint
 from simplefsdp.models import Transformer
-from tests.simplefsdp import _ckpt_full as F
-from tests.simplefsdp import _ckpt_memory as M
-from tests.simplefsdp import _training as T
+from tests.simplefsdp import _ckpt_full as ckpt_full
+from tests.simplefsdp import _ckpt_memory as ckpt_memory
+from tests.simplefsdp import _training as training
 
 
 def _plain(tied: bool = False, seed: int = 0) -> Transformer:
     torch.manual_seed(seed)
-    return Transformer(F.TIED if tied else T.ARGS)
+    return Transformer(ckpt_full.TIED if tied else training.ARGS)
 
 
 @pytest.mark.parametrize(
@@ -31,7 +31,9 @@ def _plain(tied: bool = False, seed: int = 0) -> Transformer:
     [("FULL_SHARD", False, 2**30), ("FULL_SHARD", True, 8 * 2**10), ("NO_SHARD", False, 2**30)],
 )
 def test_export_loads_into_the_plain_model(ranks2, tmp_path, strategy, tied, max_shard_bytes):
-    gathered = ranks2.run(F.export, str(tmp_path), strategy=strategy, max_shard_bytes=max_shard_bytes, tied=tied)[0]
+    gathered = ranks2.run(
+        ckpt_full.export, str(tmp_path), strategy=strategy, max_shard_bytes=max_shard_bytes, tied=tied
+    )[0]
     plain = _plain(tied)
     assert set(gathered) == set(plain.state_dict()), "the unwrapped model's names"
     if max_shard_bytes < 2**30:
@@ -58,7 +60,7 @@ def test_import_scatters_into_a_meta_built_model(ranks2, tmp_path, strategy, fil
         safetensors.torch.save_file(expected, path)
     else:
         torch.save(expected, path)
-    for rank_state in ranks2.run(F.import_, str(path), strategy=strategy):
+    for rank_state in ranks2.run(ckpt_full.import_, str(path), strategy=strategy):
         assert rank_state.keys() == expected.keys()
         for fqn, value in expected.items():
             assert torch.equal(rank_state[fqn], value), fqn
@@ -66,11 +68,11 @@ def test_import_scatters_into_a_meta_built_model(ranks2, tmp_path, strategy, fil
 
 def test_import_reports_shapes_and_keys_on_every_rank(ranks2, tmp_path):
     state = _plain().state_dict()
-    state["output.weight"] = torch.zeros(66, T.ARGS.dim)
+    state["output.weight"] = torch.zeros(66, training.ARGS.dim)
     del state["norm.weight"]
     state["extra.weight"] = torch.zeros(2)
     safetensors.torch.save_file(state, tmp_path / "model.safetensors")
-    errors = ranks2.run(F.import_, str(tmp_path), strategy="FULL_SHARD")
+    errors = ranks2.run(ckpt_full.import_, str(tmp_path), strategy="FULL_SHARD")
     for error in errors:
         assert error.startswith("StateDictMismatchError")
         assert "output.weight: file (66, 32), model (67, 32)" in error
@@ -107,7 +109,7 @@ def test_peak_memory_is_bounded(tmp_path):
     reads are file-backed pages), export 31 / 18 MiB (the 8 MiB file, gather buffers, and freed heap
     memory glibc keeps). Bounds: a quarter of the model to import on rank 1 (its chunks), three
     quarters to export (left room for allocator noise, still below the full model)."""
-    rows = M.measure(tmp_path, M.SMALL, world_size=2)
+    rows = ckpt_memory.measure(tmp_path, ckpt_memory.SMALL, world_size=2)
     full = rows[0].full_bytes
     assert rows[1].import_growth < 0.25 * full, rows
     assert rows[0].import_growth < 0.5 * full, rows

@@ -15,43 +15,43 @@ from torch.distributed.tensor.debug import CommDebugMode
 
 import simplefsdp
 from simplefsdp.gather import OWNER_KEY
+from simplefsdp.inspect.record import record_step
 from simplefsdp.models import Transformer
 from simplefsdp.passes.collectives import collective_counts, is_reduce_scatter
-from tests._graphs import capture_step
-from tests.simplefsdp import _compose as C
-from tests.simplefsdp import _training as T
+from tests.simplefsdp import _compose as compose
+from tests.simplefsdp import _training as training
 from tests.simplefsdp.test_training import FP32_TOL
 
 BACKENDS = ["eager", "aot_eager", "inductor"]
 
 
 @functools.cache
-def _lora_reference() -> C.LoraResult:
-    return C.train_lora_reference()
+def _lora_reference() -> compose.LoraResult:
+    return compose.train_lora_reference()
 
 
 def test_tied_parameter_gathered_and_reduced_once(fake_world8):
     """The tied embedding / output weight: one all-gather in forward, one reduce-scatter in backward;
     frozen parameters: gathered, never reduced."""
-    model = simplefsdp.wrap(C.lora_model())
+    model = simplefsdp.wrap(compose.lora_model())
     unique = dict(model.named_parameters())  # a tied parameter is listed once
     trainable = {fqn for fqn, p in unique.items() if p.requires_grad}
-    tokens = torch.randint(0, C.TIED.vocab_size, (2, 8))
-    graphs = capture_step(model, lambda compiled: compiled(tokens).sum())
+    tokens = torch.randint(0, compose.TIED.vocab_size, (2, 8))
+    graphs = record_step(model, lambda compiled: compiled(tokens).sum(), backend="simplefsdp_aot_eager")
 
-    fwd, bwd = collective_counts(graphs.forward), collective_counts(graphs.backward)
+    fwd, bwd = collective_counts(graphs.forward_pre), collective_counts(graphs.backward_pre)
     assert fwd["all_gather"] == len(unique)
-    reduced = [n.meta.get("custom", {}).get(OWNER_KEY) for n in graphs.backward.graph.nodes if is_reduce_scatter(n)]
+    reduced = [n.meta.get("custom", {}).get(OWNER_KEY) for n in graphs.backward_pre.nodes if is_reduce_scatter(n)]
     assert sorted(reduced) == sorted(trainable), "one reduce-scatter per trainable parameter, none for frozen ones"
     assert reduced.count("tok_embeddings.weight") == 1
     assert bwd["all_reduce"] == 0
-    assert C.frozen_fqns(model)
-    assert not C.frozen_fqns(model) & set(reduced)
+    assert compose.frozen_fqns(model)
+    assert not compose.frozen_fqns(model) & set(reduced)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_tied_frozen_lora_training_matches_reference(ranks2, backend):
-    results = ranks2.run(C.train_lora_simplefsdp, backend)
+    results = ranks2.run(compose.train_lora_simplefsdp, backend)
     ours, reference = results[0], _lora_reference()
     assert results[1].losses == ours.losses
     assert ours.tied_is_one_parameter
@@ -63,7 +63,7 @@ def test_tied_frozen_lora_training_matches_reference(ranks2, backend):
     for fqn, value in reference.params.items():
         torch.testing.assert_close(ours.params[fqn], value, **FP32_TOL, msg=lambda m, fqn=fqn: f"{fqn}: {m}")
     frozen = [fqn for fqn, dtype in ours.dtypes.items() if dtype == torch.bfloat16]
-    untrained = C.lora_model().state_dict()
+    untrained = compose.lora_model().state_dict()
     for fqn in frozen:  # frozen parameters did not move at all
         assert torch.equal(ours.params[fqn], untrained[fqn])
     moved = [fqn for fqn in ours.params if fqn not in frozen and not torch.equal(ours.params[fqn], untrained[fqn])]
@@ -73,8 +73,8 @@ def test_tied_frozen_lora_training_matches_reference(ranks2, backend):
 @pytest.mark.parametrize("backend", ["eager", "inductor"])
 def test_clip_grad_norm_is_global(ranks2, backend):
     """`clip_grad_norm_` on the sharded gradients returns the whole model's norm and clips like one process."""
-    want_norm, want_grads = C.clip_once("reference", 0.05)
-    for norm, grads in ranks2.run(C.clip_once, backend, 0.05):
+    want_norm, want_grads = compose.clip_once("reference", 0.05)
+    for norm, grads in ranks2.run(compose.clip_once, backend, 0.05):
         assert want_norm > 0.05, "the test must actually clip"
         torch.testing.assert_close(torch.tensor(norm), torch.tensor(want_norm), **FP32_TOL)
         for fqn, grad in want_grads.items():
@@ -82,9 +82,9 @@ def test_clip_grad_norm_is_global(ranks2, backend):
 
 
 def test_tied_parameter_reduced_once_in_eager(fake_world8):
-    model = simplefsdp.wrap(C.lora_model())
+    model = simplefsdp.wrap(compose.lora_model())
     unique = dict(model.named_parameters())
-    tokens = torch.randint(0, C.TIED.vocab_size, (2, 8))
+    tokens = torch.randint(0, compose.TIED.vocab_size, (2, 8))
     with CommDebugMode() as comm:
         model(tokens).sum().backward()
     counts = {str(op): n for op, n in comm.get_comm_counts().items()}
@@ -96,7 +96,7 @@ def test_tied_parameter_reduced_once_in_eager(fake_world8):
 
 @functools.cache
 def _unchecked_reference() -> tuple[list[float], dict[str, torch.Tensor]]:
-    return C.train_checkpointed("reference", None)
+    return compose.train_checkpointed("reference", None)
 
 
 @pytest.mark.parametrize(
@@ -107,7 +107,7 @@ def test_activation_checkpointing_matches_reference(ranks2, backend, policy):
     """Every block checkpointed (full / selective) and FULL_SHARD: training equals the unsharded,
     uncheckpointed single process."""
     want_losses, want_params = _unchecked_reference()
-    losses, params = ranks2.run(C.train_checkpointed, backend, policy)[0]
+    losses, params = ranks2.run(compose.train_checkpointed, backend, policy)[0]
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(want_losses), **FP32_TOL)
     for fqn, value in want_params.items():
         torch.testing.assert_close(params[fqn], value, **FP32_TOL, msg=lambda m, fqn=fqn: f"{fqn}: {m}")
@@ -120,16 +120,16 @@ def test_activation_checkpointing_adds_no_gather(fake_world8, policy):
 
     def step_graphs(checkpointed: bool):
         torch.manual_seed(0)
-        model = Transformer(T.ARGS)
+        model = Transformer(training.ARGS)
         if checkpointed:
             assert simplefsdp.checkpoint_blocks(model, policy=policy) == ["layers.0", "layers.1"]
         simplefsdp.wrap(model, passes=None)
-        tokens = torch.randint(0, T.ARGS.vocab_size, (2, 8))
+        tokens = torch.randint(0, training.ARGS.vocab_size, (2, 8))
         torch.compiler.reset()
-        return capture_step(model, lambda compiled: compiled(tokens).sum())
+        return record_step(model, lambda compiled: compiled(tokens).sum(), backend="simplefsdp_aot_eager")
 
     plain, checkpointed = step_graphs(False), step_graphs(True)
-    n_params = len(list(Transformer(T.ARGS).parameters()))
+    n_params = len(list(Transformer(training.ARGS).parameters()))
     for graphs in (plain, checkpointed):
         assert collective_counts(graphs.forward)["all_gather"] == n_params
         assert collective_counts(graphs.backward)["all_gather"] == n_params - 1, (
@@ -140,7 +140,7 @@ def test_activation_checkpointing_adds_no_gather(fake_world8, policy):
 
 
 def test_checkpoint_blocks_errors():
-    model = Transformer(T.ARGS)
+    model = Transformer(training.ARGS)
     with pytest.raises(ValueError, match="unknown checkpoint policy 'most'"):
         simplefsdp.checkpoint_blocks(model, policy="most")
     with pytest.raises(ValueError, match=r"no submodules named \['layers.9'\]"):
@@ -156,8 +156,8 @@ def test_checkpoint_blocks_errors():
 def test_no_sync_accumulation_equals_one_batch(ranks2, backend):
     """Two micro-batches, the first under `no_sync`, give the one-batch result; compiled, the graphs
     are all built in the first steps (deferring / reducing with pending gradients) and then reused."""
-    accumulated = ranks2.run(C.train_accumulating, backend, accumulate=True)
-    whole = ranks2.run(C.train_accumulating, backend, accumulate=False)
+    accumulated = ranks2.run(compose.train_accumulating, backend, accumulate=True)
+    whole = ranks2.run(compose.train_accumulating, backend, accumulate=False)
     (losses, params, compiled, deferred), (want_losses, want_params, _, _) = accumulated[0], whole[0]
     assert deferred == [len(params)] * len(losses), "each no_sync block must leave every gradient pending"
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(want_losses), **FP32_TOL)
@@ -169,8 +169,8 @@ def test_no_sync_accumulation_equals_one_batch(ranks2, backend):
 
 
 def test_no_sync_defers_every_reduction(fake_world8):
-    model = simplefsdp.wrap(T.fresh_model())
-    tokens = torch.randint(0, T.ARGS.vocab_size, (2, 8))
+    model = simplefsdp.wrap(training.fresh_model())
+    tokens = torch.randint(0, training.ARGS.vocab_size, (2, 8))
     with CommDebugMode() as comm, simplefsdp.no_sync(model):
         model(tokens).sum().backward()
     assert set(map(str, comm.get_comm_counts())) == {"c10d_functional.all_gather_into_tensor"}
@@ -193,12 +193,12 @@ def test_meta_init_materializes_shards_like_one_process(ranks2):
     """Built on meta, wrapped, materialized: each rank holds only its shard, and the full values are
     bitwise those `torch.manual_seed(seed); Transformer(args)` gives in one process."""
     torch.manual_seed(7)
-    reference = Transformer(T.ARGS)
-    want = T.full_params(reference)
+    reference = Transformer(training.ARGS)
+    want = training.full_params(reference)
     with torch.no_grad():
-        want_logits = reference(T.batches(1)[0][:, :-1])
+        want_logits = reference(training.batches(1)[0][:, :-1])
     largest = max(v.numel() * v.element_size() for v in want.values())
-    results = ranks2.run(C.meta_materialize, 7)
+    results = ranks2.run(compose.meta_materialize, 7)
     for params, _, peak, logits in results:
         torch.testing.assert_close(logits, want_logits, **FP32_TOL)  # buffers (rope tables) set too
         for fqn, value in want.items():

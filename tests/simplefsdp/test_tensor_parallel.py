@@ -13,10 +13,10 @@ from torch.distributed.tensor.parallel import parallelize_module
 
 import simplefsdp
 from simplefsdp._compat import StridedShard
+from simplefsdp.inspect.record import record_step
 from simplefsdp.models import Transformer, TransformerArgs, tensor_parallel_plan
-from simplefsdp.passes.collectives import is_all_gather, is_all_reduce, is_reduce_scatter
-from simplefsdp.passes.detect import find_fsdp_reductions, group_ranks
-from tests._graphs import capture_post_grad
+from simplefsdp.passes.collectives import find_collectives, is_all_gather, is_all_reduce, is_reduce_scatter
+from simplefsdp.passes.detect import find_fsdp_reductions
 from tests.simplefsdp import _tp
 
 # tp 8 needs heads and ffn divisible by 8; the vocabulary (67) still shards unevenly
@@ -55,15 +55,6 @@ def test_hybrid_shard_tp_3d_matches_one_process(ranks4, backend):
     _assert_matches_reference(results[0])
 
 
-def _group_of(node) -> tuple[int, ...]:
-    """The global ranks of a collective node's group (names are not stable across equal meshes)."""
-    return group_ranks(node.args[2] if is_all_gather(node) or is_all_reduce(node) else node.args[3])
-
-
-def _collectives(graph) -> list:
-    return [n for n in graph.nodes if is_all_gather(n) or is_reduce_scatter(n) or is_all_reduce(n)]
-
-
 def _tp_graphs(world, strategy, *, passes: bool):
     names = world.mesh_dim_names
     torch.manual_seed(0)
@@ -73,7 +64,8 @@ def _tp_graphs(world, strategy, *, passes: bool):
     # the default pass (buckets per block), as wrap() configures it: on the dp groups only
     simplefsdp.wrap(model, dp, strategy=strategy, passes=simplefsdp.PassConfig() if passes else None)
     tokens = torch.randint(0, L4.vocab_size, (2, 8))
-    forward, backward = capture_post_grad(model, lambda compiled: compiled(tokens).sum())
+    graphs = record_step(model, lambda compiled: compiled(tokens).sum())
+    forward, backward = graphs.forward, graphs.backward
     groups = {name: tuple(world[name].mesh.flatten().tolist()) for name in names}  # this rank's groups' ranks
     return model, forward, backward, groups
 
@@ -87,16 +79,16 @@ def test_dp8_tp8_graph_buckets_only_dp_collectives(fake_world64):
     _, plain_fwd, plain_bwd, _ = _tp_graphs(world, "FULL_SHARD", passes=False)
 
     for graph in (forward, backward, plain_fwd, plain_bwd):
-        assert {_group_of(n) for n in _collectives(graph)} <= {groups["dp"], groups["tp"]}
+        assert {c.ranks() for c in find_collectives(graph)} <= {groups["dp"], groups["tp"]}
     # the gradient reductions on tp (a sequence-parallel norm's weight: Partial over tp) look like
     # FSDP's structurally; restricted to the dp groups, as the model's pass is, only FSDP's remain
-    tp_reductions = [r for r in find_fsdp_reductions(plain_bwd) if group_ranks(r.group_name) == groups["tp"]]
+    tp_reductions = [r for r in find_fsdp_reductions(plain_bwd) if r.ranks() == groups["tp"]]
     assert tp_reductions, "the sequence-parallel norms' weights are reduced over tp"
     dp_only = find_fsdp_reductions(plain_bwd, groups={groups["dp"]})
     assert len(dp_only) == len(list(model.parameters()))
 
     def on(graph, group, predicate):
-        return sum(1 for n in _collectives(graph) if predicate(n) and _group_of(n) == groups[group])
+        return sum(1 for c in find_collectives(graph) if predicate(c.launch) and c.ranks() == groups[group])
 
     n_blocks = L4.n_layers
     assert on(forward, "dp", is_all_gather) == n_blocks + 1
@@ -128,7 +120,7 @@ def test_hybrid_shard_tp_3d_graph(fake_world64):
     model, forward, backward, groups = _tp_graphs(world, "HYBRID_SHARD", passes=True)
 
     def on(graph, group, predicate):
-        return sum(1 for n in _collectives(graph) if predicate(n) and _group_of(n) == groups[group])
+        return sum(1 for c in find_collectives(graph) if predicate(c.launch) and c.ranks() == groups[group])
 
     buckets = L4.n_layers + 1
     assert on(forward, "shard", is_all_gather) == buckets

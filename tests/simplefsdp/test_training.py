@@ -22,7 +22,7 @@ import functools
 import pytest
 import torch
 
-from tests.simplefsdp import _training as T
+from tests.simplefsdp import _training as training
 
 FP32_TOL = {"rtol": 64 * torch.finfo(torch.float32).eps, "atol": 64 * torch.finfo(torch.float32).eps}
 BF16_LOSS_TOL = {"rtol": 8 * torch.finfo(torch.bfloat16).eps, "atol": 0.0}
@@ -32,18 +32,18 @@ BACKENDS = ["eager", "aot_eager", "inductor"]
 
 
 @functools.cache
-def _reference() -> T.Result:
-    return T.train_reference()
+def _reference() -> training.Result:
+    return training.train_reference()
 
 
-_fsdp2_results: dict[str, T.Result] = {}
+_fsdp2_results: dict[str, training.Result] = {}
 
 
 def _pool(request, strategy: str):
     return request.getfixturevalue("ranks4" if strategy.startswith("HYBRID") else "ranks2")
 
 
-def _assert_results_close(actual: T.Result, expected: T.Result, tol: dict | None) -> None:
+def _assert_results_close(actual: training.Result, expected: training.Result, tol: dict | None) -> None:
     if tol is None:  # bitwise
         assert actual.losses == expected.losses
         for fqn, value in expected.params.items():
@@ -58,7 +58,7 @@ def _assert_results_close(actual: T.Result, expected: T.Result, tol: dict | None
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_training_matches_reference_and_fsdp2(request, strategy, backend):
     pool = _pool(request, strategy)
-    results = pool.run(T.train_simplefsdp, strategy, backend)
+    results = pool.run(training.train_simplefsdp, strategy, backend)
     for rank_result in results[1:]:  # every rank saw the same global losses and full parameters
         _assert_results_close(rank_result, results[0], tol=None)
     ours = results[0]
@@ -67,7 +67,7 @@ def test_training_matches_reference_and_fsdp2(request, strategy, backend):
     _assert_results_close(ours, _reference(), FP32_TOL)
 
     if strategy not in _fsdp2_results:
-        _fsdp2_results[strategy] = pool.run(T.train_fsdp2, strategy)[0]
+        _fsdp2_results[strategy] = pool.run(training.train_fsdp2, strategy)[0]
     bitwise = backend != "inductor" and not strategy.startswith("HYBRID")
     _assert_results_close(ours, _fsdp2_results[strategy], None if bitwise else FP32_TOL)
 
@@ -76,7 +76,7 @@ def test_training_matches_reference_and_fsdp2(request, strategy, backend):
 def test_mixed_precision_training(ranks2, backend):
     """bf16 all-gather / compute, fp32 reduction: fp32 masters and grads, loss within bf16 rounding."""
     results = ranks2.run(
-        T.train_simplefsdp, "FULL_SHARD", backend, param_dtype=torch.bfloat16, reduce_dtype=torch.float32
+        training.train_simplefsdp, "FULL_SHARD", backend, param_dtype=torch.bfloat16, reduce_dtype=torch.float32
     )
     ours = results[0]
     assert {p.dtype for p in ours.params.values()} == {torch.float32}
@@ -84,15 +84,15 @@ def test_mixed_precision_training(ranks2, backend):
     torch.testing.assert_close(torch.tensor(ours.losses), torch.tensor(_reference().losses), **BF16_LOSS_TOL)
 
 
-@pytest.mark.parametrize("optimizer", list(T.OPTIMIZERS))
+@pytest.mark.parametrize("optimizer", list(training.OPTIMIZERS))
 def test_optimizers_step_on_sharded_parameters(ranks2, optimizer):
-    ours = ranks2.run(T.train_simplefsdp, "FULL_SHARD", "eager", optimizer=optimizer)[0]
-    _assert_results_close(ours, T.train_reference(optimizer), FP32_TOL)
+    ours = ranks2.run(training.train_simplefsdp, "FULL_SHARD", "eager", optimizer=optimizer)[0]
+    _assert_results_close(ours, training.train_reference(optimizer), FP32_TOL)
 
 
 def test_sum_reduction(ranks2):
     """reduce_op="sum" adds the ranks' gradients: with the loss pre-scaled by 1/world it equals avg."""
-    summed = ranks2.run(T.train_simplefsdp, "FULL_SHARD", "eager", reduce_op="sum")[0]
+    summed = ranks2.run(training.train_simplefsdp, "FULL_SHARD", "eager", reduce_op="sum")[0]
     _assert_results_close(summed, _reference(), FP32_TOL)
 
 
@@ -102,7 +102,7 @@ def test_dim0_smaller_than_world(ranks4, backend):
     model = torch.nn.Sequential(torch.nn.Linear(5, 3), torch.nn.Tanh(), torch.nn.Linear(3, 2))
     x = torch.randn(16, 5, generator=torch.Generator().manual_seed(1))
     model(x).square().mean().backward()
-    for grads in ranks4.run(T.tiny_bias_grads, backend):
+    for grads in ranks4.run(training.tiny_bias_grads, backend):
         for fqn, param in model.named_parameters():
             torch.testing.assert_close(grads[fqn], param.grad, **FP32_TOL)
 
@@ -114,8 +114,8 @@ def test_warm_compile_cache_is_per_rank(ranks4):
     rank-aware keys, ranks with a 33-row and a 34-row embedding shard (and different group
     names on the 2-D mesh) loaded each other's graphs and failed or hung.
     """
-    first = ranks4.run(T.train_simplefsdp, "HYBRID_SHARD", "inductor")
-    second = ranks4.run(T.train_simplefsdp, "HYBRID_SHARD", "inductor")
+    first = ranks4.run(training.train_simplefsdp, "HYBRID_SHARD", "inductor")
+    second = ranks4.run(training.train_simplefsdp, "HYBRID_SHARD", "inductor")
     for a, b in zip(first, second, strict=True):
         _assert_results_close(b, a, tol=None)
 
@@ -126,8 +126,8 @@ def test_passes_do_not_change_training(request, strategy, backend):
     """Bucketing and reordering move the same bytes through the same reductions and reorder only
     independent ops: fp32 training with the passes equals training without them, bitwise."""
     pool = _pool(request, strategy)
-    plain = pool.run(T.train_simplefsdp, strategy, backend, passes=None)[0]
-    with_passes = pool.run(T.train_simplefsdp, strategy, backend, compile_caches=False)[0]
+    plain = pool.run(training.train_simplefsdp, strategy, backend, passes=None)[0]
+    with_passes = pool.run(training.train_simplefsdp, strategy, backend, compile_caches=False)[0]
     assert with_passes.collectives_merged > 0, "the pass must have run and merged something"
     if strategy != "NO_SHARD":
         # NO_SHARD's all-reduces are created at gradient accumulation, outside the traced gather, so

@@ -208,7 +208,7 @@ def test_not_a_module(mesh):
 def test_parameter_replaced_after_wrap(mesh):
     model = simplefsdp.wrap(nn.Linear(4, 4), mesh)
     model.weight = nn.Parameter(torch.zeros(4, 4))
-    with pytest.raises(TypeError, match="parameter 'weight' of SimpleFSDPLinear was replaced after"):
+    with pytest.raises(TypeError, match="parameter 'weight' of Linear was replaced after"):
         model(torch.ones(1, 4))
 
 
@@ -229,3 +229,34 @@ def test_dtensor_cache_key_sees_the_local_shard(mesh):
     same_as_rank0 = DTensor.from_local(torch.ones(9, 4), mesh, [Shard(0)], shape=(67, 4), stride=(4, 1))
     assert rank0._stable_hash_for_caching() != rank7._stable_hash_for_caching()
     assert rank0._stable_hash_for_caching() == same_as_rank0._stable_hash_for_caching()
+
+
+def test_dtensor_cache_key_changes_only_on_wrapped_meshes(mesh):
+    """The workaround is as narrow as torch allows: a DTensor on a mesh no wrapped model uses keeps
+    torch's own key (different local shards, same key, as torch has it)."""
+    simplefsdp.wrap(nn.Linear(2, 2), mesh)
+    other = init_device_mesh("cpu", (4, 2), mesh_dim_names=("a", "b"))  # no wrapped model uses it
+    rank0 = DTensor.from_local(torch.zeros(9, 4), other, [Replicate(), Shard(0)], shape=(67, 4), stride=(4, 1))
+    rank7 = DTensor.from_local(torch.zeros(4, 4), other, [Replicate(), Shard(0)], shape=(67, 4), stride=(4, 1))
+    assert rank0._stable_hash_for_caching() == rank7._stable_hash_for_caching()
+
+
+def test_swapped_classes_say_what_they_add(mesh):
+    """`repr` and tracebacks name each class swap: gather on access, the compiler pass, checkpointing."""
+    model = Transformer(ARGS)
+    simplefsdp.checkpoint_blocks(model)
+    simplefsdp.wrap(model, mesh)
+    assert type(model).__name__ == "PassOnCompile[Transformer]"
+    assert type(model.layers[0]).__name__ == "Checkpointed[Block]"
+    assert type(model.layers[0].attention.wq).__name__ == "GatherOnAccess[Linear]"
+    assert isinstance(model.layers[0].attention.wq, nn.Linear)
+    assert repr(model).startswith("PassOnCompile[Transformer](")
+
+
+def test_bad_pattern_leaves_the_model_unwrapped(mesh):
+    model = Transformer(ARGS)
+    config = simplefsdp.PassConfig(bucket=simplefsdp.BucketConfig(plan="patterns", patterns=("decoder.*",)))
+    with pytest.raises(ValueError, match=r"bucket patterns \['decoder\.\*'\] match no parameter"):
+        simplefsdp.wrap(model, mesh, passes=config)
+    assert not any(isinstance(p, DTensor) for p in model.parameters()), "checked before anything changed"
+    simplefsdp.wrap(model, mesh)  # and it can still be wrapped
