@@ -2,9 +2,8 @@
 
     python bench/inspect_validate.py            # ~5-10 minutes on 2 cores
 
-1. Calibrate a "cpu-calibrated" device profile on this machine, inside the two ranks (one thread
-   each, as they train): matmul FLOP/s (fp32 512x512 mm), memory bandwidth (64 MiB copy),
-   collective latency (all-gather of 2 floats) and bus bandwidth (all-gather of 16 MiB).
+1. Calibrate a device profile on this machine inside the two ranks (one thread each, as they
+   train), with `simplefsdp calibrate`'s own measurements (`simplefsdp.calibrate.measure`).
 2. For each configuration: measure the median step (forward + backward + SGD step) of a wrapped,
    `torch.compile`d (inductor) Llama-style model, FULL_SHARD fp32; then predict the same step with
    `dry_run(..., world_size=2, device=<calibrated profile>)` in this (parent) process, on meta.
@@ -29,6 +28,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 import simplefsdp
+from simplefsdp.calibrate import measure, profile_from
 from simplefsdp.inspect import dry_run
 from simplefsdp.inspect.shapes import ModelShape
 from simplefsdp.models import Transformer, TransformerArgs
@@ -53,25 +53,6 @@ def _median_s(fn, repeats: int) -> float:
         fn()
         times.append(time.perf_counter() - start)
     return statistics.median(times)
-
-
-def _calibrate() -> dict[str, float]:
-    """This rank's measurements (both ranks run it together: the collectives need both)."""
-    a, b = torch.randn(512, 512), torch.randn(512, 512)
-    flops = 2 * 512**3 / _median_s(lambda: torch.mm(a, b), 30)
-    src, dst = torch.empty(16 * 2**20), torch.empty(16 * 2**20)  # 64 MiB each
-    memory = 2 * src.numel() * 4 / _median_s(lambda: dst.copy_(src), 10)
-    world = dist.get_world_size()
-
-    def gather(numel: int) -> float:
-        out, inp = torch.empty(numel * world), torch.empty(numel)
-        dist.barrier()
-        return _median_s(lambda: dist.all_gather_into_tensor(out, inp), 20)
-
-    latency = gather(2)
-    big = 4 * 2**20  # floats per rank: 16 MiB sent, 32 MiB gathered at world 2
-    bus = (world - 1) / world * big * world * 4 / max(gather(big) - latency, 1e-9)
-    return {"latency_s": latency, "bus_bytes_per_s": bus, "flops_per_s": flops, "memory_bytes_per_s": memory}
 
 
 def _measure(name: str, steps: int) -> float:
@@ -104,7 +85,7 @@ def _worker(rank: int, world: int, port: int, steps: int, results: dict) -> None
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        calibration = _calibrate()
+        calibration = measure(device=torch.device("cpu"))
         measured = {name: _measure(name, steps) for name in CONFIGS}
         if rank == 0:
             results.update(calibration=calibration, measured=measured)
@@ -137,7 +118,7 @@ def main() -> None:
         results = manager.dict()
         mp.spawn(_worker, args=(2, args.port, args.steps, results), nprocs=2, join=True)
         results = dict(results)
-    profile = DeviceProfile(name="cpu-calibrated", **results["calibration"])
+    profile = profile_from(results["calibration"], name="cpu-calibrated")
     print(f"calibrated profile: {profile}")
     print("\n| configuration | measured (median) | predicted | error |")
     print("|---|---|---|---|")

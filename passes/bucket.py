@@ -75,9 +75,18 @@ def _shape(node: fx.Node) -> list[int]:
 
 
 def independent(members: Sequence[Collective]) -> bool:
-    """True if no member's input depends on another member's result: merging them cannot form a cycle."""
+    """True if no member's input depends on another member's result: merging them cannot form a cycle.
+
+    A node that depends on a result comes after it in the (topologically sorted) graph, so the walk
+    back from each input stops at the first member's launch: it visits the region between the
+    bucket's launches, not the whole graph before them (which made bucketing quadratic in depth)."""
     results = {m.launch for m in members} | {m.wait for m in members}
-    return not any(reaches(m.sent, found=results.__contains__, follow=lambda n: n.all_input_nodes) for m in members)
+    first = min(m.launch for m in members)
+
+    def follow(node: fx.Node) -> list[fx.Node]:
+        return [i for i in node.all_input_nodes if i >= first]
+
+    return not any(m.sent > first and reaches(m.sent, found=results.__contains__, follow=follow) for m in members)
 
 
 def _apply(

@@ -17,9 +17,11 @@ from torch import fx
 
 from simplefsdp._compat import CustomGraphPass
 from simplefsdp.passes import cost
+from simplefsdp.passes.auto_plan import plan_auto
 from simplefsdp.passes.bucket import apply_all_gather_buckets, apply_reduction_buckets
 from simplefsdp.passes.collectives import Collective
 from simplefsdp.passes.detect import find_fsdp_all_gathers, find_fsdp_reductions
+from simplefsdp.passes.liveness import peak_bytes
 from simplefsdp.passes.plan import (
     Bucket,
     Candidate,
@@ -27,16 +29,15 @@ from simplefsdp.passes.plan import (
     check_plan,
     plan_by_blocks,
     plan_by_cap,
-    plan_by_cost,
     plan_by_patterns,
 )
-from simplefsdp.passes.reorder import ReorderConfig, reorder_all_gathers, reorder_reductions
+from simplefsdp.passes.reorder import ReorderConfig, ReorderResult, reorder
 
-__all__ = ["BucketConfig", "FsdpPass", "PassConfig", "plan_buckets"]
+__all__ = ["BucketConfig", "FsdpPass", "PassConfig", "parse_memory_budget", "plan_buckets"]
 
 logger = logging.getLogger(__name__)
 
-_VERSION = "3"  # bump when the pass's output changes for the same input graph (keys the compile cache)
+_VERSION = "4"  # bump when the pass's output changes for the same input graph (keys the compile cache)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -48,8 +49,11 @@ class BucketConfig:
       to `"cap"`), one for the other parameters;
     - `"patterns"`: one bucket per module-FQN pattern in `patterns`;
     - `"cap"`: graph order, at most `cap_bytes` per bucket;
-    - `"auto"`: the cost model of `cost.py` for the device profile `device` picks the buckets
-      (`plan_by_cost`), at most `cap_bytes` per bucket.
+    - `"auto"`: the cost model of `cost.py` for the device profile `device` (a name or a
+      `simplefsdp calibrate` file) picks the buckets and the all-gathers' prefetch depth
+      (`auto_plan.py`), at most `cap_bytes` per bucket and within `memory_budget`: the bytes the
+      pass may add to a graph's peak (an int), or that as a fraction of the graph's own peak (a
+      float, e.g. 0.25); None: no budget beyond `cap_bytes`.
     `cap_bytes` counts the bytes one rank sends. Collectives on different process groups or in
     different dtypes never share a bucket (mixed dtypes split by dtype rather than travel as bytes:
     a bf16 and an fp32 bucket keep each collective's reduction in its own dtype).
@@ -60,6 +64,7 @@ class BucketConfig:
     patterns: tuple[str, ...] = ()
     cap_bytes: int = 64 * 2**20
     device: str = "h100"
+    memory_budget: int | float | None = None
     bucket_all_gathers: bool = True
     bucket_reductions: bool = True
 
@@ -71,6 +76,42 @@ class BucketConfig:
         if self.cap_bytes <= 0:
             raise ValueError(f"cap_bytes must be positive, got {self.cap_bytes}")
         cost.profile(self.device)  # an unknown profile name fails here, naming the known ones
+        if self.memory_budget is not None:
+            if self.plan != "auto":
+                raise ValueError(f"memory_budget is for the 'auto' plan; the {self.plan!r} plan takes no budget")
+            if isinstance(self.memory_budget, bool) or not self.memory_budget > 0:
+                raise ValueError(
+                    f"memory_budget must be positive bytes or a positive fraction, got {self.memory_budget!r}"
+                )
+
+    def budget_bytes(self, graph_peak: int) -> int | None:
+        """`memory_budget` in bytes for a graph whose peak is `graph_peak` (None: no budget)."""
+        if self.memory_budget is None:
+            return None
+        if isinstance(self.memory_budget, float):
+            return int(self.memory_budget * graph_peak)
+        return int(self.memory_budget)
+
+
+_UNITS = {"KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "B": 1}
+
+
+def parse_memory_budget(text: str) -> int | float:
+    """`BucketConfig.memory_budget` from a command line: "0.25" (a fraction of each graph's peak) or
+    bytes with a unit ("512MiB", "2GiB", "4096B")."""
+    for unit, scale in _UNITS.items():
+        if text.endswith(unit):
+            number = text.removesuffix(unit).strip()
+            try:
+                return int(float(number) * scale)
+            except ValueError:
+                break
+    else:
+        try:
+            return float(text)
+        except ValueError:
+            pass
+    raise ValueError(f"memory budget {text!r}: expected a fraction such as 0.25 or bytes such as 512MiB")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -91,7 +132,9 @@ class FsdpPass(CustomGraphPass):
 
     A graph without FSDP collectives comes back unchanged. `graphs`, `merged` and `moved` count,
     over every graph this instance ran on, the graphs, the collectives merged away and the
-    launches / waits moved (a compile-cache hit runs no pass and counts nothing).
+    launches / waits moved; `reorders` holds each reordered graph's `ReorderResult` (peak live
+    bytes before and after, within the memory budget). A compile-cache hit runs no pass and
+    counts nothing.
     """
 
     def __init__(self, config: PassConfig | None = None, *, groups: Collection[tuple[int, ...]] | None = None) -> None:
@@ -101,14 +144,19 @@ class FsdpPass(CustomGraphPass):
         self.graphs = 0
         self.merged = 0
         self.moved = 0
+        self.reorders: list[ReorderResult] = []  # per graph reordered: peaks before / after, budgets
 
     def __call__(self, graph: fx.Graph) -> None:
         self.graphs += 1
-        merged = _bucket(graph, self.config.bucket, self.groups) if self.config.bucket is not None else 0
+        merged, depth = _bucket(graph, self.config.bucket, self.groups) if self.config.bucket is not None else (0, None)
         moved = 0
         if self.config.reorder is not None:
-            moved = reorder_all_gathers(graph, config=self.config.reorder, groups=self.groups)
-            moved += reorder_reductions(graph, config=self.config.reorder, groups=self.groups)
+            config = self.config.reorder
+            if depth is not None:  # the auto plan chose the gathers' prefetch depth for this graph
+                config = dataclasses.replace(config, prefetch_depth=depth)
+            result = reorder(graph, config=config, groups=self.groups)
+            self.reorders.append(result)
+            moved = result.moved
         self.merged += merged
         self.moved += moved
         if merged or moved:
@@ -129,19 +177,27 @@ class FsdpPass(CustomGraphPass):
         # for DTensor inputs]; the rank here keeps ranks apart should the FX key become stable.)
         groups = sorted(self.groups) if self.groups is not None else None
         rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else None
-        key = f"simplefsdp-pass-{_VERSION}-{self.config}-{groups}-rank{rank}"
+        profile = None  # a profile file's numbers, not just its path, decide the auto plan
+        if self.config.bucket is not None and self.config.bucket.plan == "auto":
+            profile = cost.profile(self.config.bucket.device)
+        key = f"simplefsdp-pass-{_VERSION}-{self.config}-{profile}-{groups}-rank{rank}"
         return hashlib.sha256(key.encode()).hexdigest()
 
 
-def _bucket(graph: fx.Graph, config: BucketConfig, groups: frozenset[tuple[int, ...]] | None) -> int:
-    removed = 0
+def _bucket(graph: fx.Graph, config: BucketConfig, groups: frozenset[tuple[int, ...]] | None) -> tuple[int, int | None]:
+    """Merge the planned buckets; returns (collectives removed, the prefetch depth the auto plan chose
+    for the gathers, or None)."""
+    removed, depth = 0, None
+    budget = config.budget_bytes(peak_bytes(graph) if isinstance(config.memory_budget, float) else 0)
     if config.bucket_all_gathers:
         gathers = find_fsdp_all_gathers(graph, groups=groups)
-        removed += apply_all_gather_buckets(graph, gathers, plan_buckets(graph, gathers, config))
+        buckets, depth = plan_buckets(graph, gathers, config, budget_bytes=budget)
+        removed += apply_all_gather_buckets(graph, gathers, buckets)
     if config.bucket_reductions:
         reductions = find_fsdp_reductions(graph, groups=groups)
-        removed += apply_reduction_buckets(graph, reductions, plan_buckets(graph, reductions, config))
-    return removed
+        buckets, _ = plan_buckets(graph, reductions, config, budget_bytes=budget)
+        removed += apply_reduction_buckets(graph, reductions, buckets)
+    return removed, depth
 
 
 def _merge_key(collective: Collective) -> MergeKey:
@@ -154,9 +210,13 @@ def _merge_key(collective: Collective) -> MergeKey:
     )
 
 
-def plan_buckets(graph: fx.Graph, found: list[Collective], config: BucketConfig) -> list[Bucket]:
-    """The buckets `config`'s plan makes of `found` (collectives of `graph`, in graph order), checked."""
+def plan_buckets(
+    graph: fx.Graph, found: list[Collective], config: BucketConfig, *, budget_bytes: int | None = None
+) -> tuple[list[Bucket], int | None]:
+    """The buckets `config`'s plan makes of `found` (collectives of `graph`, in graph order), checked,
+    and the all-gathers' prefetch depth when the plan chooses it (auto), else None."""
     candidates = [Candidate(index=i, key=_merge_key(c), nbytes=c.nbytes, owner=c.owner) for i, c in enumerate(found)]
+    depth = None
     if config.plan == "blocks":
         buckets = plan_by_blocks(candidates, blocks=config.blocks)
     elif config.plan == "patterns":
@@ -164,13 +224,14 @@ def plan_buckets(graph: fx.Graph, found: list[Collective], config: BucketConfig)
     elif config.plan == "cap":
         buckets = plan_by_cap(candidates, cap_bytes=config.cap_bytes)
     else:
-        device = cost.profile(config.device)
-
-        def comm_s(key: MergeKey, nbytes: int) -> float:
-            full = nbytes * key.group_size if key.kind == "all_gather" else nbytes
-            return cost.collective_seconds(device, kind=key.kind, nbytes=full, world=key.group_size)
-
-        windows = cost.compute_between(device, graph, [c.launch for c in found]) if found else [0.0]
-        buckets = plan_by_cost(candidates, windows_s=windows, comm_s=comm_s, cap_bytes=config.cap_bytes)
+        auto = plan_auto(
+            graph,
+            found,
+            candidates,
+            device=cost.profile(config.device),
+            cap_bytes=config.cap_bytes,
+            budget_bytes=budget_bytes,
+        )
+        buckets, depth = auto.buckets, auto.prefetch_depth
     check_plan(candidates, buckets)
-    return buckets
+    return buckets, depth

@@ -38,6 +38,7 @@ __all__ = [
     "Candidate",
     "MergeKey",
     "check_plan",
+    "exposed_seconds",
     "plan_by_blocks",
     "plan_by_cap",
     "plan_by_cost",
@@ -141,6 +142,7 @@ def plan_by_cost(
     windows_s: Sequence[float],
     comm_s: Callable[[MergeKey, int], float],
     cap_bytes: int,
+    overlap: float = 1.0,
 ) -> list[Bucket]:
     """Buckets that minimise the communication a cost model says is left exposed.
 
@@ -157,8 +159,10 @@ def plan_by_cost(
     earlier one the compute of the bucket after it.
 
     Per merge key, over that key's candidates in that order, a bucket `[s, e)` costs
-    `max(0, comm_s(bytes[s:e]) - compute[p:s])` where `[p, s)` is the bucket before it (the first
-    overlaps nothing), plus a tiny charge per bucket so ties prefer fewer collectives. Buckets stay
+    `max(0, c - w) + (1 - overlap) * min(c, w)` with `c = comm_s(bytes[s:e])` and `w = compute[p:s]`,
+    `[p, s)` the bucket before it (the first overlaps nothing: `w = 0`), plus a tiny charge per
+    bucket so ties prefer fewer collectives. `overlap` is the share of communication time that
+    really runs in parallel with compute (`DeviceProfile.overlap`). Buckets stay
     within `cap_bytes` (a single oversize candidate gets its own) and hold at most 64 members.
     Deterministic: it reads only its arguments.
     """
@@ -168,23 +172,61 @@ def plan_by_cost(
         raise ValueError(f"windows_s has {len(windows_s)} entries for {len(candidates)} candidates (expected one more)")
     if [c.index for c in candidates] != sorted(c.index for c in candidates):
         raise ValueError("plan_by_cost takes candidates in graph order")
-    by_key: dict[MergeKey, list[int]] = {}
-    for position, cand in enumerate(candidates):
-        by_key.setdefault(cand.key, []).append(position)
     buckets = []
-    for key, positions in by_key.items():
-        if key.kind == "all_gather":
-            compute = [windows_s[p + 1] for p in positions]
-        else:
-            positions = positions[::-1]
-            compute = [windows_s[p] for p in positions]
+    for key, positions, compute in _planning_order(candidates, windows_s):
         sizes = [candidates[p].nbytes for p in positions]
-        for s, e in _best_runs(sizes, compute, lambda n, key=key: comm_s(key, n), cap_bytes):
+        for s, e in _best_runs(sizes, compute, lambda n, key=key: comm_s(key, n), cap_bytes, overlap):
             buckets.append(Bucket(tuple(sorted(candidates[p].index for p in positions[s:e]))))
     return _ordered(buckets)
 
 
-def _best_runs(sizes: list[int], compute: list[float], comm: Callable[[int], float], cap: int) -> list[tuple[int, int]]:
+def _planning_order(
+    candidates: Sequence[Candidate], windows_s: Sequence[float]
+) -> list[tuple[MergeKey, list[int], list[float]]]:
+    """Per merge key: the key's candidate positions in planning order and each one's compute (see
+    `plan_by_cost`: all-gathers in graph order with the window after them, reductions in reverse
+    with the window before them)."""
+    by_key: dict[MergeKey, list[int]] = {}
+    for position, cand in enumerate(candidates):
+        by_key.setdefault(cand.key, []).append(position)
+    order = []
+    for key, positions in by_key.items():
+        if key.kind == "all_gather":
+            order.append((key, positions, [windows_s[p + 1] for p in positions]))
+        else:
+            order.append((key, positions[::-1], [windows_s[p] for p in positions[::-1]]))
+    return order
+
+
+def exposed_seconds(
+    candidates: Sequence[Candidate],
+    buckets: Sequence[Bucket],
+    *,
+    windows_s: Sequence[float],
+    comm_s: Callable[[MergeKey, int], float],
+    overlap: float = 1.0,
+) -> float:
+    """The seconds of communication `buckets` leave exposed under `plan_by_cost`'s model (without its
+    tie-breaking charge): what the auto plan minimises, for any plan of `candidates`."""
+    index_of = {c.index: position for position, c in enumerate(candidates)}
+    bucket_of = {index_of[i]: b for b, bucket in enumerate(buckets) for i in bucket.members}
+    total = 0.0
+    for key, positions, compute in _planning_order(candidates, windows_s):
+        runs: list[tuple[int, int, float]] = []  # (bucket, bytes, compute) in planning order
+        for position, seconds in zip(positions, compute, strict=True):
+            b = bucket_of[position]
+            if runs and runs[-1][0] == b:
+                runs[-1] = (b, runs[-1][1] + candidates[position].nbytes, runs[-1][2] + seconds)
+            else:
+                runs.append((b, candidates[position].nbytes, seconds))
+        for k, (_, nbytes, _) in enumerate(runs):
+            total += _exposed(comm_s(key, nbytes), runs[k - 1][2] if k else 0.0, overlap)
+    return total
+
+
+def _best_runs(
+    sizes: list[int], compute: list[float], comm: Callable[[int], float], cap: int, overlap: float
+) -> list[tuple[int, int]]:
     """Dynamic program of `plan_by_cost` over one key's candidates: the runs `[s, e)` it picks."""
     n, tie = len(sizes), 1e-12
     prefix_bytes, prefix_compute = [0], [0.0]
@@ -207,7 +249,7 @@ def _best_runs(sizes: list[int], compute: list[float], comm: Callable[[int], flo
                 best[(s, e)], parent[(s, e)] = comm_here + tie, None
                 continue
             options = [
-                (best[(p, s)] + max(0.0, comm_here - (prefix_compute[s] - prefix_compute[p])) + tie, (p, s))
+                (best[(p, s)] + _exposed(comm_here, prefix_compute[s] - prefix_compute[p], overlap) + tie, (p, s))
                 for p in range(max(0, s - _MAX_BUCKET_LEN), s)
                 if (p, s) in best
             ]
@@ -218,6 +260,12 @@ def _best_runs(sizes: list[int], compute: list[float], comm: Callable[[int], flo
         runs.append(last)
         last = parent[last]
     return runs[::-1]
+
+
+def _exposed(comm: float, compute: float, overlap: float) -> float:
+    """Seconds a collective of `comm` seconds costs the step when `compute` seconds can run beside it."""
+    hidden = min(comm, compute)
+    return comm - hidden + (1.0 - overlap) * hidden
 
 
 def check_plan(candidates: Sequence[Candidate], buckets: Sequence[Bucket]) -> None:

@@ -27,15 +27,24 @@ shard of an uneven parameter has an extra pad node, but pads travel in launch ch
 relative order of all other nodes is the same everywhere. So every rank issues its collectives
 in the same order (a mismatch would hang).
 
-Memory: prefetching `g_{i+d}` keeps `d` extra gathered buffers alive during `g_i`'s compute; the
-depth for a given gather shrinks until those buffers fit `max_in_flight_bytes`. Likewise a
-reduction is waited before launching the one that would make the inputs of the reductions in
-flight exceed `max_in_flight_bytes` (a collective's input must stay alive until its wait).
+[Note: the memory budget]
+Prefetching `g_{i+d}` keeps `d` extra gathered buffers alive during `g_i`'s compute: the depth for a
+given gather shrinks until those buffers fit the gathers' budget. A reduction is waited before
+launching the one that would make the inputs of the reductions in flight exceed the reductions'
+budget (a collective's input stays alive until its wait). `ReorderConfig.max_in_flight_bytes=None`
+(the default) derives both from the graph: the gathers get `prefetch_depth` times the largest
+gathered bucket, the reductions the largest reduction's input -- so one reduction is in flight at a
+time unless two fit in that. A number gives each kind that many bytes.
+`reorder()` then checks the result with the liveness walk (`liveness.py`): the graph's peak live
+bytes may grow by at most the budget (explicit: `max_in_flight_bytes`; derived: the two budgets'
+sum). If it grew more, the moves are undone and retried with a quarter of the budget, then with
+none; if that still does not fit, the graph keeps its original order.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import operator
 from collections.abc import Collection, Iterable
 
@@ -44,9 +53,10 @@ from torch import fx
 from simplefsdp.kernels.copy_ops import ALL_GATHER_COPY_OUT
 from simplefsdp.passes.collectives import find_collectives, is_data_movement
 from simplefsdp.passes.detect import find_fsdp_reductions
+from simplefsdp.passes.liveness import peak_bytes
 from simplefsdp.passes.walk import upstream, walk
 
-__all__ = ["ReorderConfig", "reorder_all_gathers", "reorder_reductions"]
+__all__ = ["ReorderConfig", "ReorderResult", "reorder", "reorder_all_gathers", "reorder_reductions"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -54,17 +64,15 @@ class ReorderConfig:
     """How far ahead to launch collectives (see the module docstring)."""
 
     prefetch_depth: int = 1  # all-gathers launched ahead of the one being waited
-    # extra gathered buffers / reduction inputs kept alive by reordering; the default admits one
-    # prefetched block of a Llama-3-405B-sized model in bf16 (6.4 GB): a smaller cap silently turns
-    # prefetch off for any block bigger than it. Prefetched gathers and in-flight reductions each
-    # get this budget, so a backward, which has both, may hold up to twice it.
-    max_in_flight_bytes: int = 8 * 2**30
+    # extra bytes reordering may keep alive (prefetched gathered buffers, inputs of reductions in
+    # flight); None: derived from each graph, see [Note: the memory budget]
+    max_in_flight_bytes: int | None = None
 
     def __post_init__(self) -> None:
         if self.prefetch_depth < 0:
             raise ValueError(f"prefetch_depth must be >= 0, got {self.prefetch_depth}")
-        if self.max_in_flight_bytes <= 0:
-            raise ValueError(f"max_in_flight_bytes must be positive, got {self.max_in_flight_bytes}")
+        if self.max_in_flight_bytes is not None and self.max_in_flight_bytes <= 0:
+            raise ValueError(f"max_in_flight_bytes must be positive or None, got {self.max_in_flight_bytes}")
 
 
 def _is_unpack(node: fx.Node) -> bool:
@@ -153,19 +161,77 @@ def _prefetchable_gathers(graph: fx.Graph, groups: Collection[tuple[int, ...]] |
     return sorted(found, key=lambda g: g.first_use)
 
 
-def reorder_all_gathers(
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ReorderResult:
+    """What `reorder` did to one graph (peaks from the liveness walk, in bytes)."""
+
+    moved: int  # launches / waits moved
+    peak_before: int
+    peak_after: int
+    allowance: int  # how much the peak was allowed to grow
+    budgets: tuple[int, int]  # (gathers, reductions) of the attempt kept
+
+
+_RETRY_FRACTIONS = (1.0, 0.25, 0.0)  # of the budget, tried in turn while the peak grows too much
+
+
+def reorder(
     graph: fx.Graph, *, config: ReorderConfig, groups: Collection[tuple[int, ...]] | None = None
+) -> ReorderResult:
+    """Prefetch all-gathers and launch reductions early within the memory budget, checked with the
+    liveness walk ([Note: the memory budget]). Invariant: `peak_after <= peak_before + allowance`.
+    A graph without FSDP collectives is left as it is (and not walked)."""
+    gathered = [_out_bytes(g.wait) for g in _prefetchable_gathers(graph, groups)]
+    reduced = [_out_bytes(r.sent) for r in find_fsdp_reductions(graph, groups=groups)]
+    if not gathered and not reduced:
+        return ReorderResult(moved=0, peak_before=0, peak_after=0, allowance=0, budgets=(0, 0))
+    if config.max_in_flight_bytes is not None:
+        gather_budget = reduction_budget = allowance = config.max_in_flight_bytes
+    else:
+        gather_budget, reduction_budget = config.prefetch_depth * max(gathered, default=0), max(reduced, default=0)
+        allowance = gather_budget + reduction_budget
+    order = list(graph.nodes)
+    before = peak_bytes(graph)
+    for fraction in _RETRY_FRACTIONS:
+        budgets = (int(gather_budget * fraction), int(reduction_budget * fraction))
+        moved = reorder_all_gathers(graph, config=config, groups=groups, budget=budgets[0])
+        moved += reorder_reductions(graph, config=config, groups=groups, budget=budgets[1])
+        after = peak_bytes(graph)
+        if after <= before + allowance:
+            return ReorderResult(
+                moved=moved, peak_before=before, peak_after=after, allowance=allowance, budgets=budgets
+            )
+        _restore(order)
+    return ReorderResult(moved=0, peak_before=before, peak_after=before, allowance=allowance, budgets=(0, 0))
+
+
+def _restore(order: list[fx.Node]) -> None:
+    """Put a graph's nodes back in `order` (the same nodes: moves neither add nor remove any). The
+    first node, a placeholder, never moves, so chaining each node after the one before it suffices."""
+    for previous, node in itertools.pairwise(order):
+        if previous.next is not node:
+            previous.append(node)
+
+
+def reorder_all_gathers(
+    graph: fx.Graph,
+    *,
+    config: ReorderConfig,
+    groups: Collection[tuple[int, ...]] | None = None,
+    budget: int | None = None,
 ) -> int:
     """Prefetch all-gathers (on `groups`, if given) and sink their waits to first use; returns how
-    many launches moved earlier."""
+    many launches moved earlier. `budget`: bytes of prefetched gathered buffers (default: the config's)."""
     gathers = _prefetchable_gathers(graph, groups)
     for g in gathers:  # wait (and unpacking) right before the first use
         _move_before(g.first_use, [g.wait, *g.landing])
     moved, previous_anchor = 0, 0
     sizes = [_out_bytes(g.wait) for g in gathers]
+    if budget is None:
+        budget = config.max_in_flight_bytes or config.prefetch_depth * max(sizes, default=0)
     for j, g in enumerate(gathers):
         depth = min(config.prefetch_depth, j)
-        while depth > 0 and sum(sizes[j - depth + 1 : j + 1]) > config.max_in_flight_bytes:
+        while depth > 0 and sum(sizes[j - depth + 1 : j + 1]) > budget:
             depth -= 1
         anchor_index = max(j - depth, previous_anchor)
         previous_anchor = anchor_index
@@ -178,10 +244,15 @@ def reorder_all_gathers(
 
 
 def reorder_reductions(
-    graph: fx.Graph, *, config: ReorderConfig, groups: Collection[tuple[int, ...]] | None = None
+    graph: fx.Graph,
+    *,
+    config: ReorderConfig,
+    groups: Collection[tuple[int, ...]] | None = None,
+    budget: int | None = None,
 ) -> int:
     """Launch each gradient reduction (on `groups`, if given) right after its inputs exist, wait as
-    late as the budget allows; returns how many waits moved."""
+    late as the budget allows; returns how many waits moved. `budget`: bytes of the inputs of the
+    reductions in flight (default: the config's, or the largest reduction's input)."""
     reductions = find_fsdp_reductions(graph, groups=groups)
     for r in reductions:  # as soon as possible: each chain node right after its latest input
         for node in sorted([*_reduction_launch_chain(r.launch), r.launch]):
@@ -191,6 +262,8 @@ def reorder_reductions(
     reductions.sort(key=lambda r: r.launch)
     launch_of = [min([*_reduction_launch_chain(r.launch), r.launch]) for r in reductions]
     sizes = [_out_bytes(r.sent) for r in reductions]
+    if budget is None:
+        budget = config.max_in_flight_bytes or max(sizes, default=0)
     moved = 0
     for i, r in enumerate(reductions):
         landing, consumers = _landing(r.wait)
@@ -198,8 +271,9 @@ def reorder_reductions(
         in_flight = sizes[i]
         for m in range(i + 1, len(reductions)):
             in_flight += sizes[m]
-            if in_flight > config.max_in_flight_bytes:
-                limits.append(launch_of[m])
+            if in_flight > budget:
+                if launch_of[m] not in landing:  # else m reads r's result (HYBRID): it launches after r's wait
+                    limits.append(launch_of[m])
                 break
         if not limits:
             continue

@@ -96,6 +96,13 @@ foreach_copy_ = torch._foreach_copy_
 chunk_cat = torch._chunk_cat
 
 
+# Eager single-tensor collectives: torch 2.13 names them `all_gather_single` / `reduce_scatter_single`
+# and deprecates `all_gather_into_tensor` / `reduce_scatter_tensor` (same arguments), which older
+# releases have alone. Checked on 2.13.
+all_gather_single = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
+
+
 def root_mesh(mesh):
     """The mesh `mesh` was sliced from (itself when it is a root). `DeviceMesh._get_root_mesh`: checked on 2.13."""
     return mesh._get_root_mesh()
@@ -240,6 +247,7 @@ __all__ = [
     "OpOverload",
     "OpOverloadPacket",
     "StridedShard",
+    "all_gather_single",
     "aot_autograd",
     "c10d_functional",
     "chunk_cat",
@@ -251,6 +259,7 @@ __all__ = [
     "init_fake_process_group",
     "min_cut_rematerialization_partition",
     "module_fqn",
+    "reduce_scatter_single",
     "register_backend",
     "resolve_process_group",
     "root_mesh",

@@ -24,6 +24,7 @@ from simplefsdp.inspect.buckets import module_summary
 from simplefsdp.inspect.dryrun import DryRunResult, dry_run
 from simplefsdp.inspect.shapes import SHAPES, ModelShape, model_shape
 from simplefsdp.passes import cost
+from simplefsdp.passes.fsdp_pass import parse_memory_budget
 from simplefsdp.strategy import ShardingStrategy
 
 __all__ = ["add_arguments", "main", "run"]
@@ -38,7 +39,11 @@ def _mib(nbytes: float) -> str:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", help=f"a shape ({', '.join(SHAPES)}) or 'module:function' -> (model, example input)")
     parser.add_argument("--world", type=int, default=8, help="data-parallel world size (fake process group)")
-    parser.add_argument("--device", default="h100", help=f"device profile: {', '.join(sorted(cost.PROFILES))}")
+    parser.add_argument(
+        "--device",
+        default="h100",
+        help=f"device profile: {', '.join(sorted(cost.PROFILES))}, or a file from `simplefsdp calibrate`",
+    )
     parser.add_argument("--strategy", default="FULL_SHARD", help=", ".join(ShardingStrategy.__members__))
     parser.add_argument("--shard-size", type=int, default=None, help="ranks per shard group (HYBRID_* only)")
     parser.add_argument("--param-dtype", choices=sorted(_DTYPES), default="bf16", help="all-gather / compute dtype")
@@ -48,6 +53,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--max-in-flight-gib", type=float, default=None, help="reorder budget for prefetched / in-flight buffers"
+    )
+    parser.add_argument(
+        "--memory-budget",
+        type=parse_memory_budget,
+        default=None,
+        help="auto plan: bytes the pass may add to a graph's peak, 0.25 (a fraction) or 512MiB",
     )
     parser.add_argument("--batch", type=int, default=None, help="per-rank batch (shapes only)")
     parser.add_argument("--seq", type=int, default=None, help="sequence length (shapes only)")
@@ -89,7 +100,7 @@ def run(args: argparse.Namespace) -> DryRunResult:
         reorder = simplefsdp.ReorderConfig()
         if args.max_in_flight_gib is not None:
             reorder = simplefsdp.ReorderConfig(max_in_flight_bytes=int(args.max_in_flight_gib * 2**30))
-        bucket = simplefsdp.BucketConfig(plan=args.plan, device=args.device)
+        bucket = simplefsdp.BucketConfig(plan=args.plan, device=args.device, memory_budget=args.memory_budget)
         passes = simplefsdp.PassConfig(bucket=bucket, reorder=reorder)
     return dry_run(
         _model(args),

@@ -4,15 +4,9 @@
 Persistent, from the wrapped model (exact, this rank's shards): the sharded parameters, their
 sharded gradients (same dtype as the masters, from the backward until the optimizer step) and the
 optimizer state (AdamW: two moments, SGD with momentum: one, per sharded element).
-Transient, by walking each graph in node order: a node's output is allocated when it runs and
-freed after its last use (graph outputs live to the end, a backward input from its start to its
-last use), as inductor's generated code frees buffers. Views (a reshape of a contiguous tensor
-among them), `getitem`, `wait_tensor` and in-place collectives alias their input's storage instead
-of allocating. The forward ends holding
-what it saves for backward ("activations"); the backward starts from them. Live bytes are split
-into gathered parameters / communication buffers (outputs of all-gathers, the bucket copy ops,
-and values derived only from gathered weights), reduced gradients (outputs of reduce-scatters /
-all-reduces) and activations (everything else).
+Transient, by the liveness walk of `simplefsdp.passes.liveness` over each graph (the walk the
+pass checks its memory budget with; see [Note: what the walk counts] there). The forward ends
+holding what it saves for backward ("activations"); the backward starts from them.
 
     peak = params + optimizer state + max(forward peak, backward peak)
 
@@ -28,17 +22,8 @@ import dataclasses
 import torch
 from torch import fx, nn
 
-from simplefsdp._compat import tree_leaves
 from simplefsdp.inspect.capture import StepCapture
-from simplefsdp.passes.collectives import (
-    derives_from_all_gather,
-    is_all_gather,
-    is_all_reduce,
-    is_bucket_copy,
-    is_reduce_scatter,
-    is_view_of_input,
-    is_wait,
-)
+from simplefsdp.passes.liveness import GraphPeak, graph_peak
 
 __all__ = [
     "OPTIMIZER_STATES",
@@ -51,16 +36,6 @@ __all__ = [
 ]
 
 OPTIMIZER_STATES = {"adamw": 2, "sgd": 1, "none": 0}  # state tensors per parameter, shaped like it
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class GraphPeak:
-    """Liveness result for one graph: bytes at its peak, by kind, and the most ever held by comm buffers."""
-
-    peak_bytes: int
-    at_peak: dict[str, int]  # "activations", "gathered / comm buffers", "reduced gradients"
-    max_comm_bytes: int
-    end_bytes: int  # live at the end (the forward: what it saves for backward and returns)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -88,64 +63,6 @@ class MemoryEstimate:
     @property
     def max_in_flight_bytes(self) -> int:
         return max(self.forward.max_comm_bytes, self.backward.max_comm_bytes)
-
-
-def _nbytes(node: fx.Node) -> int:
-    return sum(t.numel() * t.dtype.itemsize for t in tree_leaves(node.meta.get("val")) if isinstance(t, torch.Tensor))
-
-
-def _alias_of(node: fx.Node) -> fx.Node | None:
-    """The node whose storage `node`'s output shares, or None if it allocates its own."""
-    if node.op != "call_function":
-        return None
-    if "out" in node.kwargs and isinstance(node.kwargs["out"], fx.Node):  # in-place collective on a buffer
-        return node.kwargs["out"]
-    if is_wait(node) or is_view_of_input(node):
-        return node.args[0] if isinstance(node.args[0], fx.Node) else None
-    return None
-
-
-def _kind(root: fx.Node) -> str:
-    if is_reduce_scatter(root) or is_all_reduce(root):
-        return "reduced gradients"
-    if is_all_gather(root) or is_bucket_copy(root) or derives_from_all_gather(root):
-        return "gathered / comm buffers"
-    return "activations"
-
-
-def graph_peak(graph: fx.Graph, *, skip_inputs: set[str] = frozenset()) -> GraphPeak:
-    """Walk `graph` as in [Note: what the estimate counts]; placeholders named in `skip_inputs`
-    (e.g. the parameter shards, counted as persistent) are not counted."""
-    nodes = list(graph.nodes)
-    position = {node: i for i, node in enumerate(nodes)}
-    root = {}
-    for node in nodes:
-        alias = _alias_of(node)
-        root[node] = root.get(alias, alias) if alias is not None else node
-    last_use = {}
-    for node in nodes:
-        for user in node.users:
-            last_use[root[node]] = max(last_use.get(root[node], 0), position[user])
-    output = nodes[-1]
-    for value in output.all_input_nodes:  # returned values live to the end
-        last_use[root[value]] = len(nodes)
-    counted = {n for n in nodes if root[n] is n and n.op != "output" and n.name not in skip_inputs}
-    frees: dict[int, list[fx.Node]] = {}
-    for node in counted:
-        frees.setdefault(last_use.get(node, position[node]), []).append(node)
-    kinds = {node: _kind(node) for node in counted}
-    held: dict[str, int] = {}
-    peak, at_peak, max_comm = 0, {}, 0
-    for i, node in enumerate(nodes):
-        if node in counted:
-            held[kinds[node]] = held.get(kinds[node], 0) + _nbytes(node)
-        total = sum(held.values())
-        max_comm = max(max_comm, held.get("gathered / comm buffers", 0))
-        if total > peak:
-            peak, at_peak = total, dict(held)
-        for freed in frees.get(i, ()):
-            held[kinds[freed]] -= _nbytes(freed)
-    return GraphPeak(peak_bytes=peak, at_peak=at_peak, max_comm_bytes=max_comm, end_bytes=sum(held.values()))
 
 
 def _shard_bytes(param: torch.Tensor) -> int:

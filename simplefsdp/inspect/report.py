@@ -22,7 +22,7 @@ __all__ = ["Report", "inspect_model", "resolve_profile"]
 
 
 def resolve_profile(device: str | cost.DeviceProfile) -> cost.DeviceProfile:
-    """A profile object as is, or the named one of `cost.PROFILES` (an error lists the known names)."""
+    """A profile object as is, the named one of `cost.PROFILES`, or the one in a profile file."""
     return device if isinstance(device, cost.DeviceProfile) else cost.profile(device)
 
 

@@ -8,7 +8,10 @@ per process group. `simulate` replays a post-pass graph in node order with
 - a collective launch starts when both the compute clock has reached it and its group's stream
   is free, and lasts its alpha-beta seconds;
 - a wait stalls the compute clock until its collective has finished; that stall is the
-  collective's *exposed* time.
+  collective's *exposed* time;
+- where communication does not fully run in parallel with compute (a profile's `overlap` below 1:
+  on a small CPU host, the communication threads take the compute's cores), the time a collective
+  ran behind compute costs the compute clock `(1 - overlap)` of it at the wait, counted as exposed.
 A collective is "overlapped" if its wait never stalls (within 1% of its duration), "exposed" if
 no compute runs between its launch and its wait, "partly exposed" otherwise. Step time is the
 forward, then the backward, then the optimizer update of this rank's shards (memory bound:
@@ -173,7 +176,8 @@ def simulate(
             waiting_for_compute.append(("launch", pending[node]))
         elif is_wait(node) and node.args[0] in pending:
             launch = pending[node.args[0]]
-            stall = max(0.0, launch.end_s - clock)
+            hidden = max(0.0, min(launch.end_s, clock) - max(launch.start_s, launch.launch_s))
+            stall = max(0.0, launch.end_s - clock) + (1.0 - device.overlap) * hidden
             if stall:
                 _close_span(spans, span_start, clock, span_label)
                 stalls.append((clock, clock + stall))

@@ -15,8 +15,9 @@ import logging
 import sys
 from collections.abc import Sequence
 
+from simplefsdp.ranks import RankFailedError
 from simplefsdp.train.config import ConfigError, parse_args
-from simplefsdp.train.launch import RankFailedError, launch
+from simplefsdp.train.launch import launch
 
 __all__ = ["main"]
 

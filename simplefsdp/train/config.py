@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from simplefsdp.passes import cost
+from simplefsdp.passes.fsdp_pass import parse_memory_budget
 
 try:
     import tomllib
@@ -68,8 +69,12 @@ class TrainConfig:
     backend: str = _field("inductor", "torch.compile backend; eager: no compile", ("inductor", "aot_eager", "eager"))
     bucket_plan: str = _field("blocks", "simplefsdp bucket plan; none: passes off", ("blocks", "auto", "cap", "none"))
     bucket_cap_mib: float = _field(64.0, "cap / auto plans: MiB per bucket")
+    memory_budget: str = _field("", "auto plan: bytes the pass may add to a graph's peak, 0.25 (a fraction) or 512MiB")
     prefetch_depth: int = _field(1, "all-gathers launched ahead of the one in use")
-    profile: str = _field("auto", "cost-model device profile (auto plan, overlap estimate); auto: by device")
+    profile: str = _field(
+        "auto",
+        "cost-model device profile: a name or a `simplefsdp calibrate` file (auto plan, comm line); auto: by device",
+    )
     activation_checkpoint: str = _field("none", "checkpoint every block", ("none", "full", "selective"))
     # checkpoints and output
     checkpoint_dir: str = _field("simplefsdp-checkpoints", "where sharded checkpoints go")
@@ -97,9 +102,18 @@ class TrainConfig:
             raise ConfigError(f"dim ({self.dim}) must be n_heads ({self.n_heads}) times an even head dim")
         if self.n_heads % self.tp or self.ffn_dim % self.tp:
             raise ConfigError(f"tp ({self.tp}) must divide n_heads ({self.n_heads}) and ffn_dim ({self.ffn_dim})")
-        if self.profile != "auto" and self.profile not in cost.PROFILES:
-            known = ", ".join(sorted(cost.PROFILES))
-            raise ConfigError(f"profile must be auto or one of {known}; got {self.profile!r}")
+        if self.memory_budget:
+            if self.bucket_plan != "auto":
+                raise ConfigError(f"memory_budget is for bucket_plan auto; got bucket_plan {self.bucket_plan!r}")
+            try:
+                parse_memory_budget(self.memory_budget)
+            except ValueError as error:
+                raise ConfigError(str(error)) from None
+        if self.profile != "auto":
+            try:
+                cost.profile(self.profile)
+            except ValueError as error:
+                raise ConfigError(f"profile: {error}") from None
 
     @property
     def sharding(self) -> ShardingStrategy:

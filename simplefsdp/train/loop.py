@@ -36,6 +36,7 @@ from simplefsdp import checkpoint
 from simplefsdp.inspect.record import recording
 from simplefsdp.models import Transformer, TransformerArgs, tensor_parallel_plan
 from simplefsdp.passes import cost
+from simplefsdp.passes.fsdp_pass import parse_memory_budget
 from simplefsdp.passes.install import pass_of
 from simplefsdp.train import comm
 from simplefsdp.train.config import DTYPES, ConfigError, TrainConfig
@@ -93,8 +94,9 @@ def _passes(config: TrainConfig, profile: str) -> simplefsdp.PassConfig | None:
     if config.bucket_plan == "none":
         return None
     cap = int(config.bucket_cap_mib * 2**20)
+    budget = parse_memory_budget(config.memory_budget) if config.memory_budget else None
     return simplefsdp.PassConfig(
-        bucket=simplefsdp.BucketConfig(plan=config.bucket_plan, cap_bytes=cap, device=profile),
+        bucket=simplefsdp.BucketConfig(plan=config.bucket_plan, cap_bytes=cap, device=profile, memory_budget=budget),
         reorder=simplefsdp.ReorderConfig(prefetch_depth=config.prefetch_depth),
     )
 

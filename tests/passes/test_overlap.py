@@ -216,3 +216,20 @@ def test_graph_without_fsdp_collectives_is_untouched():
     graph_pass(graph)
     assert str(graph) == before
     assert (graph_pass.graphs, graph_pass.merged, graph_pass.moved) == (1, 0, 0)
+
+
+def test_reordering_keeps_the_derived_memory_budget(step):
+    """Default `ReorderConfig`: the gathers may hold one prefetched bucket, the reductions one in
+    flight; the liveness walk finds each graph's peak within that, at the first attempt."""
+    _, _, model = step
+    results = pass_of(model).reorders
+    assert len(results) == 2, "the forward and the backward"
+    for result in results:
+        assert result.moved > 0
+        assert result.peak_after <= result.peak_before + result.allowance
+        assert result.allowance == sum(result.budgets), "the whole derived budget was kept: no retry"
+    forward, backward = results
+    assert forward.budgets[0] > 0, "the forward gathers..."
+    assert forward.budgets[1] == 0, "... and reduces nothing"
+    assert backward.budgets[0] > 0, "the backward re-gathers..."
+    assert backward.budgets[1] > 0, "... and reduces"

@@ -15,6 +15,7 @@ from simplefsdp.passes.plan import (
     Candidate,
     MergeKey,
     check_plan,
+    exposed_seconds,
     plan_by_blocks,
     plan_by_cap,
     plan_by_cost,
@@ -195,3 +196,16 @@ def test_cost_plan_takes_reductions_from_the_last():
 def test_cost_plan_respects_the_cap():
     buckets = plan_by_cost(_same_key(6), windows_s=[0.0] * 7, comm_s=_latency_bandwidth(1e-3, 0), cap_bytes=2000)
     assert [b.members for b in buckets] == [(0, 1), (2, 3), (4, 5)]
+
+
+@settings(max_examples=150, deadline=None)
+@given(candidates=candidate_lists(), cap=st.integers(1, 6000), data=st.data())
+def test_cost_plan_exposes_no_more_than_other_plans(candidates, cap, data):
+    """`plan_by_cost` minimises `exposed_seconds`: no plan under the same cap exposes less."""
+    windows = [data.draw(st.floats(0, 1e-3)) for _ in range(len(candidates) + 1)]
+    comm = _latency_bandwidth(alpha=data.draw(st.floats(0, 1e-4)), per_byte=data.draw(st.floats(0, 1e-6)))
+    overlap = data.draw(st.sampled_from([0.0, 0.5, 1.0]))
+    kwargs = {"windows_s": windows, "comm_s": comm, "overlap": overlap}
+    best = exposed_seconds(candidates, plan_by_cost(candidates, cap_bytes=cap, **kwargs), **kwargs)
+    for other in (plan_by_cap(candidates, cap_bytes=cap), plan_by_cap(candidates, cap_bytes=1)):
+        assert best <= exposed_seconds(candidates, other, **kwargs) + 1e-9

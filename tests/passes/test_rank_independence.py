@@ -89,6 +89,7 @@ class RankResult:
     windows: list[list[float]]
     merged: int
     moved: int
+    reorders: list[tuple]  # per graph: (budgets, peak before, peak after) of the reordering
     cache_key: str
 
 
@@ -112,6 +113,7 @@ def _as_rank(rank: int, case: Case) -> RankResult:
             windows=[w for g in graphs.pre for w in _windows(g)],
             merged=graph_pass.merged,
             moved=graph_pass.moved,
+            reorders=[(r.budgets, r.peak_before, r.peak_after) for r in graph_pass.reorders],
             cache_key=graph_pass.uuid(),
         )
     finally:
@@ -131,6 +133,8 @@ def test_first_and_last_rank_issue_the_same_collectives(case):
     )
     assert len(first.windows) == 3, "windows around the forward gathers, the backward gathers and the reductions"
     assert first.windows == last.windows, "the cost model sees the same compute on both ranks"
+    assert first.reorders == last.reorders, "the memory budget is checked on bytes every rank holds alike"
+    assert len(first.reorders) == 2
     for kind, seq_first, seq_last in zip(("forward", "backward"), first.sequences, last.sequences, strict=True):
         assert len(seq_first) >= 2, f"{kind}: the graph has collectives"
         assert seq_first == seq_last, f"{kind}: rank 0 and rank {case.world - 1} issue different collectives"

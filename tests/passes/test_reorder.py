@@ -7,7 +7,7 @@ from torch import fx
 
 from simplefsdp._compat import FakeTensorMode
 from simplefsdp._compat import c10d_functional as c10d
-from simplefsdp.passes.reorder import ReorderConfig, reorder_reductions
+from simplefsdp.passes.reorder import ReorderConfig, reorder, reorder_reductions
 
 aten = torch.ops.aten
 
@@ -51,9 +51,35 @@ def test_a_budget_smaller_than_one_reduction_keeps_one_in_flight():
 
 def test_a_large_budget_keeps_both_in_flight():
     graph = _two_gradients_reduced_late()
-    reorder_reductions(graph, config=ReorderConfig())
+    reorder_reductions(graph, config=ReorderConfig(max_in_flight_bytes=2**30))
     graph.lint()
     assert _order(graph) == ["mm", "RS", "mm", "RS", "W", "W"]
+
+
+def test_the_derived_budget_keeps_one_reduction_in_flight():
+    """Without `max_in_flight_bytes` the reductions' budget is the largest reduction's input: two
+    equal ones do not fit together, so the first is waited before the second launches."""
+    graph = _two_gradients_reduced_late()
+    result = reorder(graph, config=ReorderConfig())
+    graph.lint()
+    assert _order(graph) == ["mm", "RS", "mm", "W", "RS", "W"]
+    assert result.budgets == (0, 16 * 4 * 4), "no gathers; one fp32 [16, 4] gradient"
+    assert result.peak_after <= result.peak_before + result.allowance
+
+
+def test_a_reorder_that_grows_the_peak_too_much_is_undone(monkeypatch):
+    """If the liveness walk finds the peak grew beyond the budget, the moves are undone and retried
+    with less; when nothing fits, the graph keeps its original order."""
+    from simplefsdp.passes import reorder as module
+
+    graph = _two_gradients_reduced_late()
+    original = _order(graph)
+    walks = iter([100, *[10**9] * len(module._RETRY_FRACTIONS)])  # before, then every attempt: too much
+    monkeypatch.setattr(module, "peak_bytes", lambda graph: next(walks))
+    result = reorder(graph, config=ReorderConfig())
+    graph.lint()
+    assert _order(graph) == original
+    assert (result.moved, result.peak_after) == (0, 100)
 
 
 def test_only_the_given_groups_gathers_are_prefetched(fake_world8):

@@ -40,7 +40,7 @@ def _write(tmp_path, text: str | None) -> str:
         (["--steps", "0"], "steps must be >= 1"),
         (["--dim", "30"], "dim (30) must be n_heads (4) times an even head dim"),
         (["--tp", "3"], "tp (3) must divide n_heads"),
-        (["--profile", "tpu9"], "profile must be auto or one of"),
+        (["--profile", "tpu9"], "profile: unknown device profile 'tpu9'"),
         (["--config", "{missing}"], "cannot read config file {missing}: No such file or directory"),
         (["--config", "{directory}"], "cannot read config file {directory}"),
         (["--config", "{file}"], "is not valid TOML"),

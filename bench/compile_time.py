@@ -1,0 +1,83 @@
+"""Benchmark: what simplefsdp's passes add to the first (compiling) step, by model depth.
+
+    python bench/compile_time.py                     # 8, 32, 64 and 128 blocks: several minutes
+    python bench/compile_time.py --blocks 8,32       # fewer
+
+One process plays rank 0 of a fake world of 8 (no data moves; compiling is what is measured). A
+Llama-style model with dim-64 blocks is wrapped FULL_SHARD and compiled with inductor, compile
+caches off; the first forward + backward is timed with the passes off and on, in separate
+processes (a process compiles once). "pass" is the time spent inside simplefsdp's pass itself
+(forward and backward graphs), timed around its call. Target: the passes add <= 10% at 64 blocks,
+and the pass itself stays linear-ish in the graph size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+
+import torch
+
+
+def _measure(blocks: int, passes: bool) -> dict:
+    import simplefsdp
+    from simplefsdp._compat import functorch_config, inductor_config, init_fake_process_group
+    from simplefsdp.models import Transformer, TransformerArgs
+    from simplefsdp.passes.fsdp_pass import FsdpPass
+    from simplefsdp.passes.install import pass_of
+
+    init_fake_process_group(rank=0, world_size=8)
+    args = TransformerArgs(vocab_size=256, dim=64, n_layers=blocks, n_heads=4, ffn_dim=176, max_seq_len=64)
+    torch.manual_seed(0)
+    model = simplefsdp.wrap(Transformer(args), passes=simplefsdp.PassConfig() if passes else None)
+    spent = []
+    graph_pass = pass_of(model)
+    if graph_pass is not None:
+        run = FsdpPass.__call__
+
+        def timed(self, graph):
+            start = time.perf_counter()
+            run(self, graph)
+            spent.append(time.perf_counter() - start)
+
+        graph_pass.__class__ = type("TimedFsdpPass", (FsdpPass,), {"__call__": timed})
+    tokens = torch.randint(0, args.vocab_size, (2, 64))
+    compiled = torch.compile(model)
+    with inductor_config.patch(fx_graph_cache=False), functorch_config.patch(enable_autograd_cache=False):
+        start = time.perf_counter()
+        compiled(tokens).sum().backward()
+        first = time.perf_counter() - start
+    return {"blocks": blocks, "passes": passes, "first_step_s": first, "pass_s": spent}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--blocks", default="8,32,64,128")
+    parser.add_argument("--one", default=None, help=argparse.SUPPRESS)  # "blocks,passes": measure in this process
+    args = parser.parse_args()
+    if args.one:
+        blocks, passes = args.one.split(",")
+        print(json.dumps(_measure(int(blocks), passes == "1")))
+        return
+    print("| blocks | first step, no passes | first step, passes | added | pass itself (fwd + bwd) |")
+    print("|---|---|---|---|---|")
+    for blocks in (int(b) for b in args.blocks.split(",")):
+        runs = {}
+        for passes in (False, True):
+            command = [sys.executable, __file__, "--one", f"{blocks},{int(passes)}"]
+            done = subprocess.run(command, capture_output=True, text=True, check=True)
+            runs[passes] = json.loads(done.stdout.strip().splitlines()[-1])
+        off, on = runs[False]["first_step_s"], runs[True]["first_step_s"]
+        own = runs[True]["pass_s"]
+        print(
+            f"| {blocks} | {off:.1f} s | {on:.1f} s | {100 * (on - off) / off:+.0f}% | "
+            f"{sum(own):.2f} s ({' + '.join(f'{s:.2f}' for s in own)}) |",
+            flush=True,
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,78 @@
+"""The `auto` bucket plan: buckets and prefetch depth from the cost model, under a memory budget.
+
+For the all-gathers of a graph it weighs two schedules and keeps the one the cost model predicts
+exposes less communication:
+
+- prefetch depth 0: no gather runs behind compute; each costs its whole time, so the fewest, largest
+  buckets win (latency), up to a cap;
+- prefetch depth 1: each bucket is gathered during the previous bucket's compute (`plan_by_cost`),
+  so smaller buckets can hide -- as far as the profile's `overlap` says compute and communication
+  really run side by side.
+
+[Note: what the memory budget buys]
+`BucketConfig.memory_budget` bounds the bytes the pass may add to a graph's peak. Gathered buckets
+are what grows it: with prefetch depth `d`, `d + 1` gathered buckets live at once, so a bucket may
+gather at most `budget / (d + 1)` bytes (each rank sends that over the group size). A reduction
+bucket lives as its gradients and, while in flight, as its input: at most `budget / 2`. A tight
+budget thus gives smaller buckets and makes depth 1 pay for its overlap with more, smaller
+collectives; a loose one lets the cheaper schedule take few large buckets. The reordering that
+follows gets the chosen depth, and checks the peak itself (`reorder.py`, [Note: the memory budget]).
+
+Invariant: a pure function of the graph, the profile and the budget -- the same on every rank.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from torch import fx
+
+from simplefsdp.passes import cost
+from simplefsdp.passes.collectives import Collective
+from simplefsdp.passes.plan import Bucket, Candidate, MergeKey, exposed_seconds, plan_by_cost
+
+__all__ = ["AutoPlan", "plan_auto"]
+
+PREFETCH_DEPTHS = (0, 1)  # the schedules weighed (plan_by_cost models depth 1; deeper is not modelled)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class AutoPlan:
+    buckets: list[Bucket]
+    prefetch_depth: int | None  # for all-gathers; None for reductions
+    exposed_s: float  # predicted exposed communication
+
+
+def plan_auto(
+    graph: fx.Graph,
+    found: list[Collective],
+    candidates: list[Candidate],
+    *,
+    device: cost.DeviceProfile,
+    cap_bytes: int,
+    budget_bytes: int | None,
+) -> AutoPlan:
+    """The auto plan of `candidates` (made from `found`, collectives of `graph`, in graph order)."""
+    windows = cost.compute_between(device, graph, [c.launch for c in found]) if found else [0.0]
+
+    def comm_s(key: MergeKey, nbytes: int) -> float:
+        full = nbytes * key.group_size if key.kind == "all_gather" else nbytes
+        return cost.collective_seconds(device, kind=key.kind, nbytes=full, world=key.group_size)
+
+    def plan(windows_s: list[float], cap: int) -> tuple[list[Bucket], float]:
+        buckets = plan_by_cost(candidates, windows_s=windows_s, comm_s=comm_s, cap_bytes=cap, overlap=device.overlap)
+        exposed = exposed_seconds(candidates, buckets, windows_s=windows_s, comm_s=comm_s, overlap=device.overlap)
+        return buckets, exposed
+
+    world = max((c.key.group_size for c in candidates), default=1)
+    if not candidates or candidates[0].key.kind != "all_gather":
+        cap = cap_bytes if budget_bytes is None else max(1, min(cap_bytes, budget_bytes // 2))
+        buckets, exposed = plan(windows, cap)
+        return AutoPlan(buckets=buckets, prefetch_depth=None, exposed_s=exposed)
+    best = None
+    for depth in PREFETCH_DEPTHS:
+        cap = cap_bytes if budget_bytes is None else max(1, min(cap_bytes, budget_bytes // (depth + 1) // world))
+        buckets, exposed = plan(windows if depth else [0.0] * len(windows), cap)
+        if best is None or exposed < best.exposed_s:  # a tie keeps the shallower, cheaper in memory
+            best = AutoPlan(buckets=buckets, prefetch_depth=depth, exposed_s=exposed)
+    return best

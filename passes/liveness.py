@@ -1,0 +1,164 @@
+"""Live bytes along a graph's node order: the one liveness walk of the pass and of `simplefsdp inspect`.
+
+[Note: what the walk counts]
+Each node's output is allocated when the node runs and freed after its last use, as inductor's
+generated code frees buffers: graph outputs live to the end, inputs (placeholders) from the start to
+their last use. Views (a reshape of a contiguous tensor among them), `getitem`, `wait_tensor` and
+in-place collectives (`..._out`) alias their input's storage instead of allocating. A collective's
+input stays alive until the collective's wait, not just until its launch: the communication reads
+it in the background. Live bytes are split into gathered parameters / communication buffers
+(outputs of all-gathers, of the bucket copy ops, and values derived only from gathered weights),
+reduced gradients (outputs of reduce-scatters / all-reduces) and activations (everything else).
+
+Ignored: allocator fragmentation and caching, workspaces of libraries (cuBLAS, NCCL), the
+communication library's own staging buffers, and fusion (inductor may fuse away intermediates this
+walk counts: for a graph's transients the walk is an upper bound).
+
+Invariant: the result depends only on the graph's order and its nodes' traced metadata.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Collection
+
+import torch
+from torch import fx
+
+from simplefsdp._compat import tree_leaves
+from simplefsdp.passes.collectives import (
+    collective_kind,
+    derives_from_all_gather,
+    is_all_gather,
+    is_bucket_copy,
+    is_data_movement,
+    is_reduce_scatter,
+    is_view_of_input,
+    is_wait,
+)
+
+__all__ = [
+    "ACTIVATIONS",
+    "COMM_BUFFERS",
+    "REDUCED_GRADIENTS",
+    "GraphPeak",
+    "graph_peak",
+    "nbytes",
+    "peak_bytes",
+    "sized_by_this_rank",
+]
+
+ACTIVATIONS = "activations"
+COMM_BUFFERS = "gathered / comm buffers"
+REDUCED_GRADIENTS = "reduced gradients"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class GraphPeak:
+    """Liveness result for one graph: bytes at its peak, by kind, and the most ever held by comm buffers."""
+
+    peak_bytes: int
+    at_peak: dict[str, int]  # ACTIVATIONS, COMM_BUFFERS, REDUCED_GRADIENTS
+    max_comm_bytes: int
+    end_bytes: int  # live at the end (a forward: what it saves for backward and returns)
+
+
+def nbytes(node: fx.Node) -> int:
+    """Bytes of the tensors `node` produces, from its traced metadata."""
+    return sum(t.numel() * t.dtype.itemsize for t in tree_leaves(node.meta.get("val")) if isinstance(t, torch.Tensor))
+
+
+def _alias_of(node: fx.Node) -> fx.Node | None:
+    """The node whose storage `node`'s output shares, or None if it allocates its own."""
+    if node.op != "call_function":
+        return None
+    if "out" in node.kwargs and isinstance(node.kwargs["out"], fx.Node):  # in-place collective on a buffer
+        return node.kwargs["out"]
+    if is_wait(node) or is_view_of_input(node):
+        return node.args[0] if isinstance(node.args[0], fx.Node) else None
+    return None
+
+
+def _kind(root: fx.Node) -> str:
+    kind = collective_kind(root)
+    if kind in ("reduce_scatter", "all_reduce"):
+        return REDUCED_GRADIENTS
+    if is_all_gather(root) or is_bucket_copy(root) or derives_from_all_gather(root):
+        return COMM_BUFFERS
+    return ACTIVATIONS
+
+
+def _walk(
+    graph: fx.Graph, skip: Collection[fx.Node], kind_of: Callable[[fx.Node], str]
+) -> tuple[int, dict[str, int], int, int]:
+    """(peak, live bytes by kind at the peak, most comm bytes, live at the end); `skip`: nodes not counted."""
+    nodes = list(graph.nodes)
+    position = {node: i for i, node in enumerate(nodes)}
+    root: dict[fx.Node, fx.Node] = {}
+    for node in nodes:
+        alias = _alias_of(node)
+        root[node] = root.get(alias, alias) if alias is not None else node
+    last_use: dict[fx.Node, int] = {}
+    for node in nodes:
+        end = position[node]
+        if collective_kind(node) is not None:  # its inputs are read until it is waited
+            end = max([end, *(position[u] for u in node.users if is_wait(u))])
+        for source in node.all_input_nodes:
+            last_use[root[source]] = max(last_use.get(root[source], 0), end)
+    outputs = [n for n in nodes if n.op == "output"]
+    for value in outputs[0].all_input_nodes if outputs else ():  # returned values live to the end
+        last_use[root[value]] = len(nodes)
+    counted = [n for n in nodes if root[n] is n and n.op != "output" and n not in skip]
+    frees: dict[int, list[fx.Node]] = {}
+    for node in counted:
+        frees.setdefault(last_use.get(node, position[node]), []).append(node)
+    kinds = {node: kind_of(node) for node in counted}
+    sizes = {node: nbytes(node) for node in counted}
+    held: dict[str, int] = {}
+    total, peak, at_peak, max_comm = 0, 0, {}, 0
+    for i, node in enumerate(nodes):
+        if node in kinds:
+            held[kinds[node]] = held.get(kinds[node], 0) + sizes[node]
+            total += sizes[node]
+        max_comm = max(max_comm, held.get(COMM_BUFFERS, 0))
+        if total > peak:
+            peak, at_peak = total, dict(held)
+        for freed in frees.get(i, ()):
+            held[kinds[freed]] -= sizes[freed]
+            total -= sizes[freed]
+    return peak, at_peak, max_comm, total
+
+
+def graph_peak(graph: fx.Graph, *, skip_inputs: Collection[str] = frozenset()) -> GraphPeak:
+    """Walk `graph` as in [Note: what the walk counts]; placeholders named in `skip_inputs` (e.g. the
+    parameter shards, counted elsewhere as persistent) are not counted."""
+    skip = {node for node in graph.find_nodes(op="placeholder") if node.name in skip_inputs}
+    peak, at_peak, max_comm, end = _walk(graph, skip, _kind)
+    return GraphPeak(peak_bytes=peak, at_peak=at_peak, max_comm_bytes=max_comm, end_bytes=end)
+
+
+def peak_bytes(graph: fx.Graph) -> int:
+    """Peak live bytes of what every rank holds alike: the walk without the graph's inputs and without
+    the nodes `sized_by_this_rank` -- except the bucket copy ops', whose buffers are padded to the same
+    size on every rank. What the pass checks its budget with: a decision on these bytes is the same on
+    every rank, where one on this rank's own sizes could differ near a tie (a hang)."""
+    own = {node for node in sized_by_this_rank(graph) if not is_bucket_copy(node)}
+    return _walk(graph, own | set(graph.find_nodes(op="placeholder")), lambda node: ACTIVATIONS)[0]
+
+
+def sized_by_this_rank(graph: fx.Graph) -> set[fx.Node]:
+    """Nodes whose tensors may have rank-dependent sizes (a smaller shard of an unevenly sharded
+    parameter): data movement from graph inputs -- a shard's casts, pads and bucket copy-in on its
+    way to an all-gather -- and everything downstream of a reduce-scatter's wait (this rank's
+    gradient shard). Every other tensor -- gathered parameters, activations, full gradients -- has
+    the same size on every rank."""
+    prep, scattered = set(), set()
+    for node in graph.nodes:  # graph order: a node's inputs come before it
+        if node.op != "call_function":
+            continue
+        inputs = node.all_input_nodes
+        if is_data_movement(node) and inputs and all(i.op == "placeholder" or i in prep for i in inputs):
+            prep.add(node)
+        if any(i in scattered or (is_wait(i) and is_reduce_scatter(i.args[0])) for i in inputs):
+            scattered.add(node)
+    return prep | scattered

@@ -1,0 +1,92 @@
+"""`simplefsdp calibrate`: measure this machine and write a device profile file.
+
+    simplefsdp calibrate                         # 2 CPU ranks (gloo) or one per GPU (NCCL) -> profile.json
+    simplefsdp calibrate --out cpu.json --quick  # seconds: fewer sizes and repeats
+    torchrun --nproc-per-node 8 -m simplefsdp.calibrate --out h100x8.json
+
+Use the file wherever a device profile name is taken: `BucketConfig(device="cpu.json")`,
+`simplefsdp inspect MODEL --device cpu.json`, `simplefsdp train --profile cpu.json`. Every rank of
+a job must use the same file (the auto plan then decides identically on every rank). The file also
+keeps the raw measurements it was fitted from, and where and when they were taken.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import functools
+import socket
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from simplefsdp.calibrate.fit import profile_from
+from simplefsdp.calibrate.timings import Measurements, measure
+from simplefsdp.passes.cost import DeviceProfile, save_profile
+from simplefsdp.ranks import RankFailedError, run_on_ranks
+
+__all__ = ["calibrate", "main"]
+
+_TIMEOUT = datetime.timedelta(minutes=5)  # no collective here waits longer unless a rank is stuck
+
+
+def _measure_rank(quick: bool, device: torch.device) -> Measurements:
+    return measure(device=device, quick=quick)
+
+
+def calibrate(
+    *, out: str | Path, nproc: int | None = None, device_type: str | None = None, quick: bool = False, name: str = ""
+) -> DeviceProfile:
+    """Measure on `nproc` spawned ranks (or torchrun's), fit, and write the profile to `out` (rank 0)."""
+    device_type = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
+    measured = run_on_ranks(
+        functools.partial(_measure_rank, quick), nproc=nproc, device_type=device_type, timeout=_TIMEOUT
+    )
+    if measured is None:  # a torchrun rank other than 0
+        return None
+    name = name or f"{device_type}-{measured.world_size}x-{socket.gethostname()}"
+    profile = profile_from(measured, name=name)
+    meta = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "host": socket.gethostname(),
+        "torch": torch.__version__,
+        "quick": quick,
+    }
+    save_profile(profile, out, extra={"measured": dataclasses.asdict(measured), "meta": meta})
+    return profile
+
+
+def _describe(profile: DeviceProfile) -> str:
+    lines = [
+        f"profile {profile.name!r}",
+        f"  matmul            {profile.flops_per_s / 1e9:,.1f} GFLOP/s",
+        f"  memory            {profile.memory_bytes_per_s / 1e9:,.2f} GB/s",
+        f"  overlap           {profile.overlap:.2f} of communication time runs beside compute",
+    ]
+    for kind, latency, bandwidth in profile.collectives:
+        lines.append(f"  {kind:<17} {latency * 1e6:,.0f} us + bytes / {bandwidth / 1e9:,.2f} GB/s")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="simplefsdp calibrate", description=__doc__.split("\n")[0])
+    parser.add_argument("--out", default="profile.json", help="profile file to write (default: profile.json)")
+    parser.add_argument("--nproc", type=int, default=None, help="ranks to spawn (default: 2 on the CPU, every GPU)")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda when available")
+    parser.add_argument("--quick", action="store_true", help="fewer sizes and repeats: seconds, not minutes")
+    parser.add_argument("--name", default="", help="the profile's name (default: device, ranks and host)")
+    args = parser.parse_args(argv)
+    if args.nproc is not None and args.nproc < 2:
+        parser.error("--nproc must be at least 2: collectives need two ranks to measure")
+    try:
+        profile = calibrate(out=args.out, nproc=args.nproc, device_type=args.device, quick=args.quick, name=args.name)
+    except (ValueError, RankFailedError) as error:
+        print(f"simplefsdp calibrate: error: {error}", file=sys.stderr)
+        return 2 if isinstance(error, ValueError) else 1
+    if profile is not None:
+        print(_describe(profile))
+        print(f"wrote {args.out}")
+    return 0

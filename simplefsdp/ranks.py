@@ -1,0 +1,170 @@
+"""Run a function on every rank of a job: the ranks torchrun started, or ranks spawned here.
+
+    result = run_on_ranks(functools.partial(work, settings), nproc=None, device_type="cpu")
+
+Under torchrun (RANK, WORLD_SIZE and LOCAL_RANK set) this process is one rank: it joins the group
+torchrun describes (env:// rendezvous) and runs the function. Otherwise it spawns `nproc` ranks
+(default: 2 on the CPU, one per GPU), joined through a file in a temporary directory. CUDA ranks
+use NCCL and one GPU each (`cuda:LOCAL_RANK`); CPU ranks use gloo. `simplefsdp train` and
+`simplefsdp calibrate` start their ranks here.
+
+[Note: compile threads when spawning on the CPU]
+Every spawned rank compiles its own graphs; by default inductor starts a pool of compile workers
+per process sized to the machine, so N ranks on a small machine fight N pools for its cores.
+Spawned CPU ranks get `TORCHINDUCTOR_COMPILE_THREADS=1` and an equal share of the cores for
+intra-op threads, unless the environment already sets the variable. Under torchrun the user's
+environment is left as it is.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import logging
+import os
+import queue
+import tempfile
+import traceback
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+__all__ = ["RankFailedError", "run_on_ranks", "under_torchrun"]
+
+logger = logging.getLogger(__name__)
+
+_TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
+_SPAWN_ENV = {"TORCHINDUCTOR_COMPILE_THREADS": "1"}
+
+RankFunction = Callable[[torch.device], Any]
+
+
+class RankFailedError(RuntimeError):
+    """A spawned rank raised; the message holds its error and traceback."""
+
+
+def under_torchrun() -> bool:
+    return all(name in os.environ for name in _TORCHRUN_ENV)
+
+
+def _device(device_type: str, local_rank: int) -> torch.device:
+    if device_type == "cuda":
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def _run(function: RankFunction, device_type: str, local_rank: int, **init: object) -> Any:
+    device = _device(device_type, local_rank)
+    init = {k: v for k, v in init.items() if v is not None}
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", **init)
+    try:
+        return function(device)
+    finally:
+        dist.destroy_process_group()
+
+
+def _setup_logging(rank: int, loggers: tuple[str, ...]) -> None:
+    logging.basicConfig(level=logging.WARNING, format=f"[rank {rank}] %(levelname)s %(name)s: %(message)s")
+    if rank == 0:
+        for name in loggers:
+            logging.getLogger(name).setLevel(logging.INFO)
+
+
+def _spawned(
+    rank: int,
+    world: int,
+    init_file: str,
+    function: RankFunction,
+    device_type: str,
+    passthrough: tuple[type[BaseException], ...],
+    loggers: tuple[str, ...],
+    timeout: datetime.timedelta | None,
+    results: mp.Queue,
+) -> None:
+    _setup_logging(rank, loggers)
+    if device_type == "cpu":
+        torch.set_num_threads(max(1, (os.cpu_count() or world) // world))
+    try:
+        init = {"init_method": f"file://{init_file}", "rank": rank, "world_size": world, "timeout": timeout}
+        result = _run(function, device_type, rank, **init)
+    except BaseException as err:
+        results.put((rank, err if isinstance(err, passthrough) else None, traceback.format_exc()))
+        raise
+    if rank == 0:
+        results.put((rank, result, None))
+
+
+@contextlib.contextmanager
+def _spawn_env(device_type: str) -> Iterator[None]:
+    """See [Note: compile threads when spawning on the CPU]."""
+    added = {k: v for k, v in _SPAWN_ENV.items() if k not in os.environ} if device_type == "cpu" else {}
+    os.environ.update(added)
+    try:
+        yield
+    finally:
+        for key in added:
+            os.environ.pop(key, None)
+
+
+def _first_failure(results: mp.Queue) -> tuple[int, object, str] | None:
+    failures = []
+    with contextlib.suppress(queue.Empty):
+        while True:
+            rank, value, text = results.get(timeout=1.0)
+            if text is not None:
+                failures.append((rank, value, text))
+    return min(failures, key=lambda f: f[0]) if failures else None
+
+
+def spawn_world(nproc: int | None, device_type: str) -> int:
+    """How many ranks `run_on_ranks` spawns for `nproc` (None: 2 on the CPU, every GPU on CUDA)."""
+    if device_type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device cuda: no CUDA device is available")
+    return nproc or (torch.cuda.device_count() if device_type == "cuda" else 2)
+
+
+def run_on_ranks(
+    function: RankFunction,
+    *,
+    nproc: int | None,
+    device_type: str,
+    passthrough: tuple[type[BaseException], ...] = (),
+    loggers: tuple[str, ...] = (),
+    timeout: datetime.timedelta | None = None,
+) -> Any:
+    """`function(device)` on every rank, inside an initialised default process group; returns rank
+    0's result (None on the other ranks of a torchrun job).
+
+    `function` must be picklable (a module-level function or a `functools.partial` of one). A
+    spawned rank's exception of a `passthrough` type is raised here as it is; any other becomes a
+    `RankFailedError` holding the lowest failing rank's traceback. `loggers` log at INFO on rank 0.
+    `timeout`: how long a collective may wait for the other ranks before it fails (default: the
+    process group's, 30 minutes).
+    """
+    if under_torchrun():
+        rank = int(os.environ["RANK"])
+        _setup_logging(rank, loggers)
+        result = _run(function, device_type, int(os.environ["LOCAL_RANK"]), timeout=timeout)
+        return result if rank == 0 else None
+    world = spawn_world(nproc, device_type)
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    logger.info("spawning %d ranks (%s)", world, "nccl" if device_type == "cuda" else "gloo")
+    with tempfile.TemporaryDirectory(prefix="simplefsdp-ranks-") as tmp, _spawn_env(device_type):
+        args = (world, os.path.join(tmp, "pg"), function, device_type, passthrough, loggers, timeout, results)
+        try:
+            mp.start_processes(_spawned, args=args, nprocs=world, start_method="spawn")
+        except (mp.ProcessExitedException, mp.ProcessRaisedException) as err:
+            failure = _first_failure(results)
+            if failure is None:
+                raise RankFailedError(str(err)) from None
+            rank, passed, text = failure
+            if passed is not None:
+                raise passed from None
+            raise RankFailedError(f"rank {rank} failed:\n{text}") from None
+    _, result, _ = results.get(timeout=60)
+    return result

@@ -1,0 +1,67 @@
+"""`simplefsdp calibrate`: the fits on known numbers, profile files, and a quick run on 2 gloo ranks."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from simplefsdp.calibrate import calibrate
+from simplefsdp.calibrate.fit import fit_alpha_beta, overlap_share
+from simplefsdp.passes import cost
+
+
+def test_fit_recovers_latency_and_bandwidth():
+    alpha, bandwidth = 50e-6, 2e9
+    points = [(x, alpha + x / bandwidth) for x in (4e3, 64e3, 1e6, 16e6)]
+    got_alpha, got_bandwidth = fit_alpha_beta(points)
+    assert got_alpha == pytest.approx(alpha, rel=1e-9)
+    assert got_bandwidth == pytest.approx(bandwidth, rel=1e-9)
+
+
+def test_fit_keeps_latency_non_negative_and_rejects_flat_times():
+    alpha, bandwidth = fit_alpha_beta([(1e3, 1e-6), (1e6, 1e-3), (2e6, 2.1e-3)])  # a line through < 0
+    assert alpha >= 0
+    assert bandwidth > 0
+    with pytest.raises(ValueError, match="do not grow with the size"):
+        fit_alpha_beta([(1e3, 1e-3), (1e6, 1e-3)])
+    with pytest.raises(ValueError, match="at least two sizes"):
+        fit_alpha_beta([(1e3, 1e-3)])
+
+
+def test_overlap_share():
+    assert overlap_share(compute_s=1.0, comm_s=1.0, both_s=1.0) == 1.0, "fully hidden"
+    assert overlap_share(compute_s=1.0, comm_s=1.0, both_s=2.0) == 0.0, "one after the other"
+    assert overlap_share(compute_s=2.0, comm_s=1.0, both_s=2.5) == 0.5
+    assert overlap_share(compute_s=1.0, comm_s=1.0, both_s=2.5) == 0.0, "clamped"
+
+
+def test_profile_file_errors_name_the_file_and_the_problem(tmp_path):
+    with pytest.raises(ValueError, match=r"profile file '.*nope\.json' does not exist"):
+        cost.profile(str(tmp_path / "nope.json"))
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"name": "x", "latency_s": 1e-5}))
+    with pytest.raises(ValueError, match=r"bad\.json' is not a valid profile: missing keys \['bus_bytes_per_s'"):
+        cost.profile(str(bad))
+    bad.write_text(json.dumps({"name": "x", "latency_s": 1e-5, "bus_bytes_per_s": 1e9, "flops_per_s": 1e9,
+                               "memory_bytes_per_s": 1e9, "overlap": 1.5}))  # fmt: skip
+    with pytest.raises(ValueError, match=r"overlap in \[0, 1\]"):
+        cost.profile(str(bad))
+    with pytest.raises(ValueError, match=r"unknown device profile 'tpu9'; known: .*or a profile \.json file"):
+        cost.profile("tpu9")
+
+
+def test_quick_calibration_on_two_ranks_round_trips(tmp_path):
+    out = tmp_path / "cpu.json"
+    profile = calibrate(out=out, nproc=2, device_type="cpu", quick=True, name="test-cpu")
+    assert profile.name == "test-cpu"
+    assert cost.profile(str(out)) == profile, "the file loads back as the same profile"
+    assert {kind for kind, _, _ in profile.collectives} == set(cost.COLLECTIVE_KINDS)
+    assert 0.0 <= profile.overlap <= 1.0
+    assert profile.flops_per_s > 1e8, "a CPU does more than this"
+    assert profile.memory_bytes_per_s > 1e8
+    data = json.loads(out.read_text())
+    assert data["measured"]["world_size"] == 2
+    assert len(data["measured"]["collectives"]["all_gather"]) >= 3, "the raw points are kept"
+    big = cost.collective_seconds(profile, kind="reduce_scatter", nbytes=2**24, world=2)
+    assert big > cost.collective_seconds(profile, kind="reduce_scatter", nbytes=2**12, world=2)

@@ -1,0 +1,93 @@
+"""The auto plan on real graphs (world 8, fake process group): prefetch depth and bucket sizes follow
+the profile's overlap and the memory budget; the plan is a function of graph, profile and budget."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from torch.distributed.device_mesh import init_device_mesh
+
+import simplefsdp
+from simplefsdp.inspect.record import record_step
+from simplefsdp.models import Transformer, TransformerArgs
+from simplefsdp.passes import cost
+from simplefsdp.passes.collectives import find_collectives
+from simplefsdp.passes.fsdp_pass import BucketConfig, FsdpPass, PassConfig
+from simplefsdp.passes.liveness import peak_bytes
+
+L6 = TransformerArgs(vocab_size=64, dim=64, n_layers=6, n_heads=4, ffn_dim=128, max_seq_len=16)
+
+
+def _profile_file(tmp_path, *, overlap: float) -> str:
+    device = dataclasses.replace(cost.profile("cpu-gloo"), name=f"test-overlap-{overlap}", overlap=overlap)
+    path = tmp_path / f"overlap-{overlap}.json"
+    cost.save_profile(device, path)
+    return str(path)
+
+
+def _compile(config: BucketConfig):
+    torch.compiler.reset()
+    torch.manual_seed(0)
+    model = simplefsdp.wrap(Transformer(L6), init_device_mesh("cpu", (8,)), passes=None)
+    graph_pass = FsdpPass(PassConfig(bucket=config))
+    tokens = torch.randint(0, L6.vocab_size, (2, 8))
+    return record_step(model, lambda compiled: compiled(tokens).sum(), graph_pass=graph_pass), graph_pass
+
+
+def _gathers(graph):
+    return find_collectives(graph, kinds=["all_gather"])
+
+
+def test_no_overlap_means_no_prefetch_and_few_buckets(fake_world8, tmp_path):
+    """A profile on which communication never runs beside compute: prefetching buys nothing, so the
+    forward gathers in as few collectives as the cap allows, waited where they are launched."""
+    graphs, graph_pass = _compile(BucketConfig(plan="auto", device=_profile_file(tmp_path, overlap=0.0)))
+    forward = graph_pass.reorders[0]
+    assert forward.budgets[0] == 0, "prefetch depth 0 chosen"
+    assert len(_gathers(graphs.forward)) == 1, "everything fits the default cap: one gather"
+
+
+def test_full_overlap_prefetches(fake_world8, tmp_path):
+    graphs, graph_pass = _compile(BucketConfig(plan="auto", device=_profile_file(tmp_path, overlap=1.0)))
+    assert graph_pass.reorders[0].budgets[0] > 0, "prefetch depth 1 chosen"
+    assert len(_gathers(graphs.forward)) > 1, "smaller buckets hide behind the previous one's compute"
+
+
+@pytest.mark.parametrize("overlap", [0.0, 1.0])
+def test_a_tighter_budget_gives_smaller_buckets_within_it(fake_world8, tmp_path, overlap):
+    device = _profile_file(tmp_path, overlap=overlap)
+    counts = {}
+    for fraction in (0.05, 4.0):
+        graphs, graph_pass = _compile(BucketConfig(plan="auto", device=device, memory_budget=fraction))
+        budget = int(fraction * peak_bytes(graphs.forward_pre))
+        depth = 1 if graph_pass.reorders[0].budgets[0] else 0
+        gathers = _gathers(graphs.forward)
+        counts[fraction] = len(gathers)
+        merged = [g for g in gathers if g.launch.kwargs.get("out") is not None]  # the bucket all-gathers
+        assert all(g.full_nbytes * (depth + 1) <= budget for g in merged), f"budget {budget} at depth {depth}"
+        for result in graph_pass.reorders:
+            assert result.peak_after <= result.peak_before + result.allowance
+    assert counts[0.05] > counts[4.0], counts
+
+
+def test_the_plan_is_a_function_of_graph_profile_and_budget(fake_world8, tmp_path):
+    config = BucketConfig(plan="auto", device=_profile_file(tmp_path, overlap=0.5), memory_budget=0.5)
+    first, _ = _compile(config)
+    second, _ = _compile(config)
+    for a, b in zip(first.post, second.post, strict=True):
+        assert [(c.kind, c.full_nbytes) for c in find_collectives(a)] == [
+            (c.kind, c.full_nbytes) for c in find_collectives(b)
+        ]
+
+
+def test_memory_budget_is_checked():
+    with pytest.raises(ValueError, match="memory_budget is for the 'auto' plan"):
+        BucketConfig(memory_budget=0.5)
+    with pytest.raises(ValueError, match="memory_budget must be positive"):
+        BucketConfig(plan="auto", memory_budget=0)
+    with pytest.raises(ValueError, match="memory budget 'lots'"):
+        simplefsdp.passes.fsdp_pass.parse_memory_budget("lots")
+    assert simplefsdp.passes.fsdp_pass.parse_memory_budget("512MiB") == 512 * 2**20
+    assert BucketConfig(plan="auto", memory_budget=0.5).budget_bytes(1000) == 500

@@ -1,0 +1,70 @@
+"""The liveness walk on small hand-built graphs (no process group needed)."""
+
+from __future__ import annotations
+
+import torch
+from torch import fx
+
+from simplefsdp._compat import FakeTensorMode
+from simplefsdp._compat import c10d_functional as c10d
+from simplefsdp.passes.liveness import COMM_BUFFERS, REDUCED_GRADIENTS, graph_peak, peak_bytes
+
+aten = torch.ops.aten
+MIB = 2**20
+
+
+def _reduce_then_compute() -> tuple[fx.Graph, dict[str, fx.Node]]:
+    """grad = mm(x, w) [1 MiB]; rs = reduce_scatter(grad); big = mm(x, w2) [2 MiB]; wait(rs); out."""
+    with FakeTensorMode() as mode:
+        x = mode.from_tensor(torch.zeros(256, 256))
+        w, w2 = mode.from_tensor(torch.zeros(256, 1024)), mode.from_tensor(torch.zeros(256, 2048))
+        grad, big = aten.mm.default(x, w), aten.mm.default(x, w2)
+        shard = c10d.reduce_scatter_tensor.default(grad, "sum", 2, "0")
+    graph, n = fx.Graph(), {}
+
+    def add(name: str, node: fx.Node, val: torch.Tensor) -> fx.Node:
+        node.meta["val"] = val
+        n[name] = node
+        return node
+
+    add("x", graph.placeholder("x"), x)
+    add("w", graph.placeholder("w"), w)
+    add("w2", graph.placeholder("w2"), w2)
+    add("grad", graph.call_function(aten.mm.default, (n["x"], n["w"])), grad)
+    add("rs", graph.call_function(c10d.reduce_scatter_tensor.default, (n["grad"], "sum", 2, "0")), shard)
+    add("big", graph.call_function(aten.mm.default, (n["x"], n["w2"])), big)
+    add("wait", graph.call_function(c10d.wait_tensor.default, (n["rs"],)), shard)
+    graph.output((n["wait"], n["big"]))
+    return graph, n
+
+
+def test_a_collectives_input_lives_until_its_wait():
+    """The gradient (1 MiB) is read by the reduce-scatter until its wait, so it is still alive when
+    the 2 MiB matmul runs: at that matmul, x (0.25 MiB) and w2 (2) -- w (1) died after its last use
+    -- plus grad 1, the reduce-scatter's output 0.5 and big 2."""
+    graph, _ = _reduce_then_compute()
+    peak = graph_peak(graph)
+    assert peak.peak_bytes == MIB // 4 + 2 * MIB + 1 * MIB + MIB // 2 + 2 * MIB
+    assert peak.at_peak[REDUCED_GRADIENTS] == MIB // 2
+    assert peak.end_bytes == MIB // 2 + 2 * MIB, "what the graph returns"
+    assert graph_peak(graph, skip_inputs={"x", "w", "w2"}).peak_bytes == 1 * MIB + MIB // 2 + 2 * MIB
+
+
+def test_peak_bytes_counts_what_every_rank_holds_alike():
+    """The pass's check leaves out the graph's inputs (a rank's shards differ in size)."""
+    graph, _ = _reduce_then_compute()
+    assert peak_bytes(graph) == 1 * MIB + MIB // 2 + 2 * MIB
+
+
+def test_comm_buffers_are_told_apart():
+    with FakeTensorMode() as mode:
+        shard = mode.from_tensor(torch.zeros(128, 256))
+        full = c10d.all_gather_into_tensor.default(shard, 2, "0")
+    graph = fx.Graph()
+    s = graph.placeholder("shard")
+    s.meta["val"] = shard
+    launch = graph.call_function(c10d.all_gather_into_tensor.default, (s, 2, "0"))
+    wait = graph.call_function(c10d.wait_tensor.default, (launch,))
+    launch.meta["val"] = wait.meta["val"] = full
+    graph.output((wait,))
+    assert graph_peak(graph).at_peak[COMM_BUFFERS] == 256 * 256 * 4, "the gathered output"
