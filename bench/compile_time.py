@@ -2,6 +2,7 @@
 
     python bench/compile_time.py                     # 8, 32, 64 and 128 blocks: several minutes
     python bench/compile_time.py --blocks 8,32       # fewer
+    python bench/compile_time.py --variant bucket-only   # the passes' parts: bucket-only, reorder-only
 
 One process plays rank 0 of a fake world of 8 (no data moves; compiling is what is measured). A
 Llama-style model with dim-64 blocks is wrapped FULL_SHARD and compiled with inductor, compile
@@ -21,8 +22,15 @@ import time
 
 import torch
 
+VARIANTS = {  # name -> PassConfig keyword arguments
+    "off": None,
+    "default": {},
+    "bucket-only": {"reorder": None},
+    "reorder-only": {"bucket": None},
+}
 
-def _measure(blocks: int, passes: bool) -> dict:
+
+def _measure(blocks: int, variant: str) -> dict:
     import simplefsdp
     from simplefsdp._compat import functorch_config, inductor_config, init_fake_process_group
     from simplefsdp.models import Transformer, TransformerArgs
@@ -32,7 +40,8 @@ def _measure(blocks: int, passes: bool) -> dict:
     init_fake_process_group(rank=0, world_size=8)
     args = TransformerArgs(vocab_size=256, dim=64, n_layers=blocks, n_heads=4, ffn_dim=176, max_seq_len=64)
     torch.manual_seed(0)
-    model = simplefsdp.wrap(Transformer(args), passes=simplefsdp.PassConfig() if passes else None)
+    kwargs = VARIANTS[variant]
+    model = simplefsdp.wrap(Transformer(args), passes=None if kwargs is None else simplefsdp.PassConfig(**kwargs))
     spent = []
     graph_pass = pass_of(model)
     if graph_pass is not None:
@@ -50,28 +59,29 @@ def _measure(blocks: int, passes: bool) -> dict:
         start = time.perf_counter()
         compiled(tokens).sum().backward()
         first = time.perf_counter() - start
-    return {"blocks": blocks, "passes": passes, "first_step_s": first, "pass_s": spent}
+    return {"blocks": blocks, "variant": variant, "first_step_s": first, "pass_s": spent}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--blocks", default="8,32,64,128")
-    parser.add_argument("--one", default=None, help=argparse.SUPPRESS)  # "blocks,passes": measure in this process
+    parser.add_argument("--variant", default="default", choices=[v for v in VARIANTS if v != "off"])
+    parser.add_argument("--one", default=None, help=argparse.SUPPRESS)  # "blocks,variant": measure in this process
     args = parser.parse_args()
     if args.one:
-        blocks, passes = args.one.split(",")
-        print(json.dumps(_measure(int(blocks), passes == "1")))
+        blocks, variant = args.one.split(",")
+        print(json.dumps(_measure(int(blocks), variant)))
         return
     print("| blocks | first step, no passes | first step, passes | added | pass itself (fwd + bwd) |")
     print("|---|---|---|---|---|")
     for blocks in (int(b) for b in args.blocks.split(",")):
         runs = {}
-        for passes in (False, True):
-            command = [sys.executable, __file__, "--one", f"{blocks},{int(passes)}"]
+        for variant in ("off", args.variant):
+            command = [sys.executable, __file__, "--one", f"{blocks},{variant}"]
             done = subprocess.run(command, capture_output=True, text=True, check=True)
-            runs[passes] = json.loads(done.stdout.strip().splitlines()[-1])
-        off, on = runs[False]["first_step_s"], runs[True]["first_step_s"]
-        own = runs[True]["pass_s"]
+            runs[variant] = json.loads(done.stdout.strip().splitlines()[-1])
+        off, on = runs["off"]["first_step_s"], runs[args.variant]["first_step_s"]
+        own = runs[args.variant]["pass_s"]
         print(
             f"| {blocks} | {off:.1f} s | {on:.1f} s | {100 * (on - off) / off:+.0f}% | "
             f"{sum(own):.2f} s ({' + '.join(f'{s:.2f}' for s in own)}) |",

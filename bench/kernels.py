@@ -142,8 +142,9 @@ def main() -> int:
         outs = [torch.empty(world, c, dtype=bf16, device=dev) for c in chunks]
         torch.split_with_sizes_copy(gathered.view(world, -1), chunks, dim=1, out=outs)
 
+    full_numels = [world * c for c in chunks]
     ours, split = _time(
-        lambda: torch.ops.simplefsdp.all_gather_copy_out(gathered, chunks, [world * c for c in chunks], world),
+        lambda: torch.ops.simplefsdp.all_gather_copy_out(gathered, chunks, full_numels, [1] * len(chunks), world),
         fsdp2_copy_out,
     )
     rows.append(_row("all-gather copy-out, ours", ag_out_bytes, ours, copy_gbs))

@@ -25,6 +25,8 @@ another module having registered them first).
 
 from __future__ import annotations
 
+import itertools
+import math
 import os
 from collections.abc import Sequence
 
@@ -41,6 +43,7 @@ __all__ = [
     "all_gather_copy_in",
     "all_gather_copy_out",
     "reduce_scatter_copy_in",
+    "split_shapes",
 ]
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what the ops read and write
@@ -89,11 +92,20 @@ def _cpu_all_gather_copy_in(shards: list[torch.Tensor], chunks: list[int], slot:
 
 
 def _cpu_all_gather_copy_out(
-    gathered: torch.Tensor, chunks: list[int], numels: list[int], world: int
+    gathered: torch.Tensor, chunks: list[int], shapes: list[list[int]], world: int
 ) -> list[torch.Tensor]:
     outs = [gathered.new_empty(world, c) for c in chunks]
     torch.split_with_sizes_copy(gathered.view(world, -1), chunks, dim=1, out=outs)
-    return [out.view(-1)[:n] for out, n in zip(outs, numels, strict=True)]
+    return [out.view(-1)[: math.prod(shape)].view(shape) for out, shape in zip(outs, shapes, strict=True)]
+
+
+def split_shapes(sizes: Sequence[int], ndims: Sequence[int]) -> list[list[int]]:
+    """The shapes `sizes` holds back to back, `ndims[i]` dims for the i-th (a custom op's schema
+    cannot take a list of lists)."""
+    if sum(ndims) != len(sizes) or any(n < 0 for n in ndims):
+        raise ValueError(f"ndims {list(ndims)} do not split the {len(sizes)} sizes {list(sizes)}")
+    bounds = [0, *itertools.accumulate(ndims)]
+    return [list(sizes[start:end]) for start, end in itertools.pairwise(bounds)]
 
 
 def _cpu_reduce_scatter_copy_in(
@@ -116,9 +128,9 @@ def _cpu_reduce_scatter_copy_in(
 def all_gather_copy_in(
     shards: list[torch.Tensor], chunks: list[int], dtype: torch.dtype, world: int, rank: int
 ) -> torch.Tensor:
-    """The `[world * bucket]` all-gather buffer with rank `rank`'s slot holding this rank's shards,
-    cast to `dtype` and zero-padded to `chunks`; the other slots are left unwritten (the in-place
-    all-gather fills them)."""
+    """The `[world * bucket]` all-gather buffer with rank `rank`'s slot holding this rank's shards
+    (contiguous, any shape: read flat), cast to `dtype` and zero-padded to `chunks`; the other slots
+    are left unwritten (the in-place all-gather fills them)."""
     _check_tensors("shards", shards)
     _check_dtype("dtype", dtype)
     _check_chunks(chunks, len(shards))
@@ -149,27 +161,31 @@ def _(shards, chunks, dtype, world, rank):
 
 
 @torch.library.custom_op("simplefsdp::all_gather_copy_out", mutates_args=())
-def all_gather_copy_out(gathered: torch.Tensor, chunks: list[int], numels: list[int], world: int) -> list[torch.Tensor]:
-    """Each parameter's full value (flat, padding stripped) from the gathered `[world * bucket]` buffer."""
+def all_gather_copy_out(
+    gathered: torch.Tensor, chunks: list[int], sizes: list[int], ndims: list[int], world: int
+) -> list[torch.Tensor]:
+    """Each parameter's full value, padding stripped, in its shape (`split_shapes(sizes, ndims)`),
+    from the gathered `[world * bucket]` buffer."""
     _check_tensors("gathered", [gathered])
-    _check_chunks(chunks, len(numels))
+    shapes = split_shapes(sizes, ndims)
+    _check_chunks(chunks, len(shapes))
     if gathered.numel() != world * sum(chunks):
         raise ValueError(f"gathered has {gathered.numel()} elements; world {world} x bucket {sum(chunks)} expected")
-    for i, (c, n) in enumerate(zip(chunks, numels, strict=True)):
-        if not 0 <= n <= world * c:
-            raise ValueError(f"numels[{i}] = {n} does not fit {world} chunks of {c}")
+    for i, (c, shape) in enumerate(zip(chunks, shapes, strict=True)):
+        if any(d < 0 for d in shape) or math.prod(shape) > world * c:
+            raise ValueError(f"shape {shape} of output {i} does not fit {world} chunks of {c}")
     if not _use_triton(gathered):
-        return _cpu_all_gather_copy_out(gathered, list(chunks), list(numels), world)
+        return _cpu_all_gather_copy_out(gathered, list(chunks), shapes, world)
     from simplefsdp.kernels import triton_copy
 
-    outs = [torch.empty(n, dtype=gathered.dtype, device=gathered.device) for n in numels]
-    triton_copy.unpack(gathered, list(chunks), outs, rows=world)
+    outs = [torch.empty(shape, dtype=gathered.dtype, device=gathered.device) for shape in shapes]
+    triton_copy.unpack(gathered, list(chunks), [out.view(-1) for out in outs], rows=world)
     return outs
 
 
 @all_gather_copy_out.register_fake
-def _(gathered, chunks, numels, world):
-    return [gathered.new_empty(n) for n in numels]
+def _(gathered, chunks, sizes, ndims, world):
+    return [gathered.new_empty(shape) for shape in split_shapes(sizes, ndims)]
 
 
 # --- reduce-scatter copy-in ---------------------------------------------------------------------

@@ -9,8 +9,9 @@ multiple of `world`, as DTensor shards it):
   elements, fewer on ranks holding a short last shard), cast to `dtype`, zero-padded to `chunk_i`,
   concatenated. The all-gather runs in place on it; the op leaves the other slots unwritten (the
   reference zeroes them; tests compare the slot).
-- `all_gather_copy_out(gathered, chunks, numels, world)`: `[world * sum(chunks)]` (rank slots in
-  order) -> each parameter's full value, flat `[numel_i]` (padding stripped).
+- `all_gather_copy_out(gathered, chunks, shapes, world)`: `[world * sum(chunks)]` (rank slots in
+  order) -> each parameter's full value in `shapes[i]` (padding stripped; the op takes the shapes
+  flattened, see `copy_ops.split_shapes`).
 - `reduce_scatter_copy_in(grads, world, dtype, scale)`: full gradients (flat `[numel_i]`) -> cast to
   `dtype` (times `scale`, multiplied in fp32), each zero-padded to `world * chunk_i` and its rank chunks interleaved:
   `[world * sum(chunks)]`, rank r's slot holding every gradient's chunk r (`torch._chunk_cat`'s layout).
@@ -57,10 +58,13 @@ def all_gather_copy_in(
 
 
 def all_gather_copy_out(
-    gathered: torch.Tensor, chunks: Sequence[int], numels: Sequence[int], world: int
+    gathered: torch.Tensor, chunks: Sequence[int], shapes: Sequence[Sequence[int]], world: int
 ) -> list[torch.Tensor]:
     per_rank = gathered.view(world, -1).split(list(chunks), dim=1)
-    return [piece.reshape(-1)[:n].clone() for piece, n in zip(per_rank, numels, strict=True)]
+    return [
+        piece.reshape(-1)[: math.prod(shape)].clone().view(list(shape))
+        for piece, shape in zip(per_rank, shapes, strict=True)
+    ]
 
 
 def reduce_scatter_copy_in(

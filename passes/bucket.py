@@ -6,8 +6,8 @@ zero pad of a short last shard; `chunk_i` elements each once padded):
     buf  = all_gather_copy_in([x_i ...], chunks, dtype, world, rank)  # [world * N]; cast + pad +
                                                                        # concat into slot `rank`
     out  = wait(all_gather_into_tensor_out(buf[rank * N : (rank + 1) * N], world, group, out=buf))
-    full = all_gather_copy_out(out, chunks, world * chunks, world)     # each [world * chunk_i], reshaped
-                                                                       # like the member's wait result
+    full = all_gather_copy_out(out, chunks, shapes, world)             # each in the shape of the
+                                                                       # member's wait result
 
 Reduce-scatter bucket (members: full gradients `g_i`, before the cast to the reduce dtype and the
 zero pad of dim 0 to a multiple of world):
@@ -47,7 +47,7 @@ from simplefsdp.kernels.reference import chunk_numel
 from simplefsdp.passes.collectives import Collective, is_cast_or_pad
 from simplefsdp.passes.detect import FsdpAllGather
 from simplefsdp.passes.plan import Bucket
-from simplefsdp.passes.walk import reaches
+from simplefsdp.passes.walk import walk
 
 __all__ = ["apply_all_gather_buckets", "apply_reduction_buckets", "independent"]
 
@@ -86,7 +86,8 @@ def independent(members: Sequence[Collective]) -> bool:
     def follow(node: fx.Node) -> list[fx.Node]:
         return [i for i in node.all_input_nodes if i >= first]
 
-    return not any(m.sent > first and reaches(m.sent, found=results.__contains__, follow=follow) for m in members)
+    starts = [m.sent for m in members if m.sent > first]  # one walk for all: the region is visited once
+    return not any(node in results for node in walk(starts, follow=follow))
 
 
 def _apply(
@@ -198,14 +199,16 @@ def _merge_all_gathers(graph: fx.Graph, members: list[FsdpAllGather]) -> tuple[l
     dtype = sent[0].meta["val"].dtype
     chains = [_unprepared(x, pad_ok=_is_dim0_tail_pad) for x in sent]  # copy-in pads each to its chunk
     with graph.inserting_before(members[0].launch):
-        shards = [_call(graph, aten.reshape.default, _contiguous(graph, src), [-1]) for src, _ in chains]
+        shards = [_contiguous(graph, src) for src, _ in chains]  # the copy-in reads them flat
         buffer = _call(graph, ALL_GATHER_COPY_IN, shards, chunks, dtype, world, rank)
         slot = _call(graph, aten.narrow.default, buffer, 0, rank * sum(chunks), sum(chunks))
         gathered = _call(graph, c10d_functional.all_gather_into_tensor_out.default, slot, world, group, out=buffer)
         waited = _call(graph, c10d_functional.wait_tensor.default, gathered)
-        numels = [world * c for c in chunks]  # the padded full tensors; the graph strips padding after
-        pieces = _call(graph, ALL_GATHER_COPY_OUT, waited, chunks, numels, world)
-        out = _unpack(graph, pieces, members)
+        # each output in its member's shape (the padded full tensor; the graph strips padding after)
+        shapes = [_shape(member.wait) for member in members]
+        sizes, ndims = [d for shape in shapes for d in shape], [len(shape) for shape in shapes]
+        pieces = _call(graph, ALL_GATHER_COPY_OUT, waited, chunks, sizes, ndims, world)
+        out = [_getitem(graph, pieces, i) for i in range(len(members))]
     return out, [node for _, chain in chains for node in chain]
 
 

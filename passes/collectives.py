@@ -55,34 +55,40 @@ __all__ = [
 ]
 
 CollectiveKind = Literal["all_gather", "reduce_scatter", "all_reduce"]
+_KIND_OF_PACKET: dict[OpOverloadPacket, CollectiveKind] = {
+    c10d_functional.all_gather_into_tensor: "all_gather",
+    c10d_functional.all_gather_into_tensor_out: "all_gather",
+    c10d_functional.reduce_scatter_tensor: "reduce_scatter",
+    c10d_functional.all_reduce: "all_reduce",
+}
 
 
-def _is_call(node: fx.Node, packet: OpOverloadPacket) -> bool:
-    return node.op == "call_function" and getattr(node.target, "overloadpacket", None) is packet
+def _packet(node: fx.Node) -> OpOverloadPacket | None:
+    """The op packet `node` calls (one attribute read: these predicates run on every node of
+    graphs with tens of thousands of them, several times per pass)."""
+    return getattr(node.target, "overloadpacket", None) if node.op == "call_function" else None
 
 
 def is_all_gather(node: fx.Node) -> bool:
     """An all-gather launch: out-of-place, or in place on a buffer (`..._out`, what merged buckets use)."""
-    return _is_call(node, c10d_functional.all_gather_into_tensor) or _is_call(
-        node, c10d_functional.all_gather_into_tensor_out
-    )
+    return _KIND_OF_PACKET.get(_packet(node)) == "all_gather"
 
 
 def is_reduce_scatter(node: fx.Node) -> bool:
-    return _is_call(node, c10d_functional.reduce_scatter_tensor)
+    return _packet(node) is c10d_functional.reduce_scatter_tensor
 
 
 def is_all_reduce(node: fx.Node) -> bool:
-    return _is_call(node, c10d_functional.all_reduce)
+    return _packet(node) is c10d_functional.all_reduce
 
 
 def is_wait(node: fx.Node) -> bool:
-    return _is_call(node, c10d_functional.wait_tensor)
+    return _packet(node) is c10d_functional.wait_tensor
 
 
 def is_collective(node: fx.Node) -> bool:
     """A collective launch of a kind `parse_collective` reads (not its wait)."""
-    return is_all_gather(node) or is_reduce_scatter(node) or is_all_reduce(node)
+    return _packet(node) in _KIND_OF_PACKET
 
 
 def is_communication(node: fx.Node) -> bool:
@@ -168,13 +174,7 @@ def _single_wait(node: fx.Node) -> fx.Node | None:
 
 def collective_kind(node: fx.Node) -> CollectiveKind | None:
     """The kind of collective `node` launches, None if it launches none (reads no process group)."""
-    if is_all_gather(node):
-        return "all_gather"
-    if is_reduce_scatter(node):
-        return "reduce_scatter"
-    if is_all_reduce(node):
-        return "all_reduce"
-    return None
+    return _KIND_OF_PACKET.get(_packet(node))
 
 
 def parse_collective(node: fx.Node) -> Collective | None:

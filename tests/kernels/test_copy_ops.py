@@ -67,17 +67,17 @@ def test_all_gather_round_trip_over_all_ranks(bucket):
     gathered = torch.cat(
         [_slot(copy_in([_shard(f, world, r) for f in fulls], chunks, dst, world, r), world, r) for r in range(world)]
     )
-    outs = torch.ops.simplefsdp.all_gather_copy_out(gathered, chunks, [f.numel() for f in fulls], world)
+    outs = torch.ops.simplefsdp.all_gather_copy_out(gathered, chunks, *_flat([f.shape for f in fulls]), world)
     for out, full in zip(outs, fulls, strict=True):
-        assert torch.equal(out.view(full.shape), full.to(dst))
+        assert out.shape == full.shape, "each output in its parameter's shape"
+        assert torch.equal(out, full.to(dst))
     # the CPU implementations against the specification, piece by piece
     rank = world - 1
     shards = [_shard(f, world, rank) for f in fulls]
     want = reference.all_gather_copy_in(shards, chunks, dst, world, rank)
     assert torch.equal(_slot(copy_in(shards, chunks, dst, world, rank), world, rank), _slot(want, world, rank))
     assert copy_in(shards, chunks, dst, world, rank).shape == want.shape == (world * sum(chunks),)
-    numels = [f.numel() for f in fulls]
-    for got, want in zip(outs, reference.all_gather_copy_out(gathered, chunks, numels, world), strict=True):
+    for got, want in zip(outs, reference.all_gather_copy_out(gathered, chunks, shapes, world), strict=True):
         assert torch.equal(got, want)
 
 
@@ -99,6 +99,11 @@ def test_reduce_scatter_copy_in_is_chunk_cat(bucket, scale):
         assert torch.equal(shard[: min(chunk, g.numel())], g.reshape(-1)[:chunk])
 
 
+def _flat(shapes) -> tuple[list[int], list[int]]:
+    """The copy-out op's (sizes, ndims) for `shapes`."""
+    return [d for shape in shapes for d in shape], [len(shape) for shape in shapes]
+
+
 def _slot(buffer: torch.Tensor, world: int, rank: int) -> torch.Tensor:
     """Rank `rank`'s slot of a flat `[world * bucket]` all-gather buffer (the part copy-in writes)."""
     return buffer.view(world, -1)[rank]
@@ -113,7 +118,11 @@ def test_bad_inputs_are_named():
     with pytest.raises(ValueError, match=r"grads\[0\] .* must be contiguous"):
         torch.ops.simplefsdp.reduce_scatter_copy_in([x.t()], 2, torch.float32, 1.0)
     with pytest.raises(ValueError, match="gathered has 16 elements; world 2 x bucket 4 expected"):
-        torch.ops.simplefsdp.all_gather_copy_out(x.reshape(-1), [4], [8], 2)
+        torch.ops.simplefsdp.all_gather_copy_out(x.reshape(-1), [4], [8], [1], 2)
+    with pytest.raises(ValueError, match=r"shape \[3, 3\] of output 0 does not fit 2 chunks of 4"):
+        torch.ops.simplefsdp.all_gather_copy_out(torch.randn(8), [4], [3, 3], [2], 2)
+    with pytest.raises(ValueError, match=r"ndims \[2\] do not split the 1 sizes"):
+        torch.ops.simplefsdp.all_gather_copy_out(torch.randn(8), [4], [8], [2], 2)
     with pytest.raises(ValueError, match="got 2 chunk sizes for 1 tensors"):
         torch.ops.simplefsdp.all_gather_copy_in([x], [16, 1], torch.float32, 1, 0)
     with pytest.raises(ValueError, match=r"rank 2 is not in \[0, world = 2\)"):
@@ -124,11 +133,11 @@ def test_ops_trace_under_compile():
     @torch.compile(backend="aot_eager", fullgraph=True)
     def step(a, b):
         flat = torch.ops.simplefsdp.all_gather_copy_in([a, b], [12, 4], torch.bfloat16, 1, 0)
-        return torch.ops.simplefsdp.all_gather_copy_out(flat, [12, 4], [12, 3], 1)
+        return torch.ops.simplefsdp.all_gather_copy_out(flat, [12, 4], [3, 4, 3], [2, 1], 1)
 
     a, b = torch.randn(3, 4), torch.randn(3)
     out = step(a, b)
-    assert torch.equal(out[0], a.reshape(-1).bfloat16())
+    assert torch.equal(out[0], a.bfloat16())
     assert torch.equal(out[1], b.bfloat16())
 
 
@@ -187,9 +196,8 @@ def test_triton_matches_reference(triton_device, bucket, scale):
             for r in range(world)
         ]
     )
-    numels = [f.numel() for f in fulls]
-    got = torch.ops.simplefsdp.all_gather_copy_out(gathered.to(triton_device), chunks, numels, world)
-    for g, e in zip(got, reference.all_gather_copy_out(gathered, chunks, numels, world), strict=True):
+    got = torch.ops.simplefsdp.all_gather_copy_out(gathered.to(triton_device), chunks, *_flat(shapes), world)
+    for g, e in zip(got, reference.all_gather_copy_out(gathered, chunks, shapes, world), strict=True):
         assert torch.equal(g.cpu(), e)
 
     got = torch.ops.simplefsdp.reduce_scatter_copy_in([f.to(triton_device) for f in fulls], world, dst, scale).cpu()
