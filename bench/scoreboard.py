@@ -1,18 +1,27 @@
 """The scoreboard: simplefsdp against DDP, FSDP2 and torch's own compiler passes, same model, same data, one run.
 
-    python bench/scoreboard.py --out bench/results/     # 2 gloo ranks on the CPU (one rank per GPU on CUDA)
+    python bench/scoreboard.py                          # 2 gloo ranks on the CPU (one rank per GPU on CUDA)
     python bench/scoreboard.py --tiny --out /tmp/sb     # the end-to-end check the tests run (seconds, not a result)
 
-Rows (all fp32, FULL_SHARD where sharded, AdamW, the same Llama-style model from the same seed):
-  DDP                            `DistributedDataParallel`, eager
-  FSDP2 eager                    `fully_shard` per block and at the root (its recommended use)
-  FSDP2 + compile per block      each block `torch.compile`d, then `fully_shard` per block and root (as
-                                 torchtitan and the FSDP2 docs do: hooks stay eager, blocks compile)
-  simplefsdp eager               `simplefsdp.wrap`, no compile
-  simplefsdp compiled, no passes `wrap(passes=None)` + `torch.compile`: one collective per parameter
-  simplefsdp compiled, ours      `wrap()` + `torch.compile`: simplefsdp's bucketing and reordering
-  simplefsdp compiled, ours auto the same with the cost-model ("auto") plan for this device's profile
-  simplefsdp compiled, torch's   `wrap(passes=None)` + inductor's FX bucketing and overlap reordering
+Rows (all fp32, AdamW, the same Llama-style model from the same seed):
+  DDP                               `DistributedDataParallel`, eager
+  FSDP2 eager                       `fully_shard` per block and at the root (its recommended use)
+  FSDP2 + compile per block         each block `torch.compile`d, then `fully_shard` per block and root (as
+                                    torchtitan and the FSDP2 docs do: hooks stay eager, blocks compile)
+  simplefsdp eager                  `simplefsdp.wrap`, no compile
+  simplefsdp compiled, no passes    `wrap(passes=None)` + `torch.compile`: one collective per parameter
+  simplefsdp compiled, our passes   `wrap()` + `torch.compile`: simplefsdp's bucketing and reordering
+  ... (auto plan)                   the same with the cost-model ("auto") plan on this machine's profile
+  simplefsdp compiled, torch's      `wrap(passes=None)` + inductor's FX bucketing and overlap reordering
+  the same three, SHARD_GRAD_OP     FSDP2 with `reshard_after_forward=False`, simplefsdp with
+                                    `strategy="SHARD_GRAD_OP"` (ours and torch's passes): like for like,
+                                    every one keeps the gathered weights for backward
+  auto plan, budget F               the auto plan with `memory_budget=F` (a fraction of each graph's peak),
+                                    for each F of `--frontier`: the step time / memory trade it finds
+
+The profile: unless `--profile FILE` names one, the ranks first measure this machine (what
+`simplefsdp calibrate` does) and write `profile.json` next to the results; the auto rows plan with it
+and the predictions below use it.
 
 Measurements, per row:
 - step time: median of `--steps` steps after `--warmup`, rank 0, forward + backward + optimizer step,
@@ -21,7 +30,11 @@ Measurements, per row:
 - compile time: first step minus the median step, compile caches off (eager rows: 0);
 - collectives / step: the process group's own collective calls recorded by `torch.profiler` in one
   step (events named `gloo:*` / `nccl:*`): the same counter for eager hooks and compiled code;
-- peak memory per rank: see [Note: peak memory]; the table shows the largest over the ranks.
+- peak memory per rank: see [Note: peak memory]; the table shows the largest over the ranks;
+- predicted step time and peak memory (simplefsdp's compiled rows with its own passes or none):
+  `simplefsdp.inspect.dry_run` of the same configuration with the profile, in the parent process.
+
+[Note: peak memory]; the table shows the largest over the ranks.
 
 [Note: peak memory]
 All rows live in one process (so their steps can be interleaved), so a process-wide high-water mark
@@ -62,44 +75,84 @@ from torch.nn.parallel import DistributedDataParallel
 
 import simplefsdp
 from simplefsdp._compat import functorch_config, inductor_config
+from simplefsdp.calibrate import measure, profile_from
+from simplefsdp.inspect import dry_run
+from simplefsdp.inspect.shapes import ModelShape
 from simplefsdp.models import Transformer
+from simplefsdp.passes.cost import save_profile
 
-ROWS = {  # key (for --rows and the JSON) -> label
-    "ddp": "DDP",
-    "fsdp2": "FSDP2 eager",
-    "fsdp2-compile": "FSDP2 + compile per block",
-    "simplefsdp-eager": "simplefsdp eager",
-    "no-passes": "simplefsdp compiled, no passes",
-    "ours": "simplefsdp compiled, our passes",
-    "ours-auto": "simplefsdp compiled, our passes (auto plan)",
-    "torch-passes": "simplefsdp compiled, torch's passes",
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """One row's setup."""
+
+    label: str
+    family: str  # "ddp", "fsdp2" or "simplefsdp"
+    strategy: str = "FULL_SHARD"
+    compiled: bool = True
+    passes: str = "ours"  # simplefsdp: "ours", "auto", "none" or "torch" (inductor's own FX bucketing)
+    budget: float | None = None  # the auto plan's memory_budget
+
+
+CONFIGS = {  # key (for --rows and the JSON) -> setup
+    "ddp": Config("DDP", "ddp", compiled=False),
+    "fsdp2": Config("FSDP2 eager", "fsdp2", compiled=False),
+    "fsdp2-compile": Config("FSDP2 + compile per block", "fsdp2"),
+    "simplefsdp-eager": Config("simplefsdp eager", "simplefsdp", compiled=False),
+    "no-passes": Config("simplefsdp compiled, no passes", "simplefsdp", passes="none"),
+    "ours": Config("simplefsdp compiled, our passes", "simplefsdp"),
+    "ours-auto": Config("simplefsdp compiled, our passes (auto plan)", "simplefsdp", passes="auto"),
+    "torch-passes": Config("simplefsdp compiled, torch's passes", "simplefsdp", passes="torch"),
+    "fsdp2-zero2": Config("FSDP2 eager, SHARD_GRAD_OP", "fsdp2", strategy="SHARD_GRAD_OP", compiled=False),
+    "ours-zero2": Config("simplefsdp SHARD_GRAD_OP, our passes", "simplefsdp", strategy="SHARD_GRAD_OP"),
+    "torch-passes-zero2": Config(
+        "simplefsdp SHARD_GRAD_OP, torch's passes", "simplefsdp", strategy="SHARD_GRAD_OP", passes="torch"
+    ),
 }
-EAGER = ("ddp", "fsdp2", "simplefsdp-eager")
+FRONTIER = "auto@"  # + a budget fraction: the auto plan under that memory budget
 TINY = {"layers": 2, "dim": 32, "heads": 4, "ffn": 88, "vocab": 67, "seq": 16, "warmup": 1, "steps": 2}
 
 
-def _fsdp2(model: nn.Module, *, compile_blocks: bool) -> nn.Module:
-    if compile_blocks:
+def config_of(key: str) -> Config:
+    """The setup of row `key`: one of `CONFIGS`, or `auto@F` for the auto plan with budget fraction F."""
+    if key in CONFIGS:
+        return CONFIGS[key]
+    if key.startswith(FRONTIER):
+        budget = float(key.removeprefix(FRONTIER))
+        return Config(f"simplefsdp compiled, auto plan, budget {budget:g}", "simplefsdp", passes="auto", budget=budget)
+    raise ValueError(f"unknown row {key!r}; known: {', '.join(CONFIGS)}, or {FRONTIER}<fraction>")
+
+
+def passes_of(config: Config, profile: str) -> simplefsdp.PassConfig | None:
+    """The simplefsdp passes of a row (None: off, for no passes and for torch's own)."""
+    if config.passes in ("none", "torch"):
+        return None
+    if config.passes == "auto":
+        bucket = simplefsdp.BucketConfig(plan="auto", device=profile, memory_budget=config.budget)
+        return simplefsdp.PassConfig(bucket=bucket)
+    return simplefsdp.PassConfig()
+
+
+def _fsdp2(model: nn.Module, config: Config) -> nn.Module:
+    if config.compiled:
         for i, block in enumerate(model.layers):
             model.layers.register_module(str(i), torch.compile(block))
+    reshard = config.strategy == "FULL_SHARD"
     for block in model.layers:
-        fully_shard(block)
-    return fully_shard(model)
+        fully_shard(block, reshard_after_forward=reshard)
+    return fully_shard(model, reshard_after_forward=reshard)
 
 
-def _simplefsdp(model: nn.Module, row: str, profile: str) -> nn.Module:
-    passes = {
-        "simplefsdp-eager": simplefsdp.PassConfig(),
-        "ours": simplefsdp.PassConfig(),
-        "ours-auto": simplefsdp.PassConfig(bucket=simplefsdp.BucketConfig(plan="auto", device=profile)),
-    }.get(row)
-    simplefsdp.wrap(model, passes=passes)
-    if row == "simplefsdp-eager":
+def _simplefsdp(model: nn.Module, config: Config, profile: str) -> nn.Module:
+    simplefsdp.wrap(model, strategy=config.strategy, passes=passes_of(config, profile))
+    if not config.compiled:
         return model
-    return torch.compile(model, options=TORCH_BUILTIN_OPTIONS if row == "torch-passes" else None)
+    return torch.compile(model, options=TORCH_BUILTIN_OPTIONS if config.passes == "torch" else None)
 
 
-def build(row: str, args: argparse.Namespace, device: torch.device) -> tuple[nn.Module, Callable[..., torch.Tensor]]:
+def build(
+    row: str, args: argparse.Namespace, device: torch.device, profile: str
+) -> tuple[nn.Module, Callable[..., torch.Tensor]]:
     """(the model whose parameters the optimizer steps, the callable the step runs) for one row."""
     torch.manual_seed(0)
     with device:
@@ -107,11 +160,12 @@ def build(row: str, args: argparse.Namespace, device: torch.device) -> tuple[nn.
         # class whose guards pass, and the guards do not see which simplefsdp passes a model has:
         # "ours" and "ours-auto" would share graphs. A subclass per row keeps their compiles apart.
         model = type(f"Transformer_{row}", (Transformer,), {})(model_args(args))
-    if row == "ddp":
+    config = config_of(row)
+    if config.family == "ddp":
         return model, DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
-    if row.startswith("fsdp2"):
-        return model, _fsdp2(model, compile_blocks=row == "fsdp2-compile")
-    return model, _simplefsdp(model, row, "h100" if device.type == "cuda" else "cpu-gloo")
+    if config.family == "fsdp2":
+        return model, _fsdp2(model, config)
+    return model, _simplefsdp(model, config, profile)
 
 
 def _state_bytes(row: str, model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
@@ -136,8 +190,8 @@ class Row:
     collectives: int = 0
 
 
-def _make_row(row: str, args: argparse.Namespace, device: torch.device) -> Row:
-    model, forward = build(row, args, device)
+def _make_row(row: str, args: argparse.Namespace, device: torch.device, profile: str) -> Row:
+    model, forward = build(row, args, device, profile)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     gen = torch.Generator().manual_seed(1 + dist.get_rank())
     tokens = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=gen).to(device)  # [B, S + 1]
@@ -205,63 +259,117 @@ def _memory(rows: dict[str, Row], device: torch.device) -> dict[str, int]:
     return peaks
 
 
+def _profile(args: argparse.Namespace, device: torch.device) -> str:
+    """The profile file the auto rows plan with: `--profile`, or measured here now (all ranks) and
+    written next to the results by rank 0."""
+    if args.profile:
+        return args.profile
+    measured = measure(device=device, quick=args.tiny)
+    path = str(Path(args.out) / "profile.json")
+    if dist.get_rank() == 0:
+        profile = profile_from(measured, name=f"scoreboard-{device.type}-{dist.get_world_size()}x")
+        save_profile(profile, path, extra={"measured": dataclasses.asdict(measured)})
+    dist.barrier()
+    return path
+
+
 def _worker(rank: int, args: argparse.Namespace, results: dict) -> None:
     device = torch.device("cuda", rank) if args.backend == "nccl" else torch.device("cpu")
+    profile = _profile(args, device)
     rows = {}
     for name in args.rows:
-        rows[name] = _make_row(name, args, device)
+        rows[name] = _make_row(name, args, device, profile)
         rows[name].collectives = _count_collectives(rows[name].step)
         if rank == 0:
-            print(f"  built {ROWS[name]}: first step {rows[name].first_step_s:.1f}s", flush=True)
+            print(f"  built {config_of(name).label}: first step {rows[name].first_step_s:.1f}s", flush=True)
     times = interleaved_times({n: r.step for n, r in rows.items()}, warmup=args.warmup, timed=args.steps)
     peaks = _memory(rows, device)
     all_peaks = [None] * dist.get_world_size()
     dist.all_gather_object(all_peaks, peaks)
     if rank == 0:
         tokens = dist.get_world_size() * args.batch * args.seq
+        results["profile"] = profile
         for name, row in rows.items():
             median = statistics.median(times[name])
-            compiled = name not in EAGER
             results[name] = {
                 "step_time_s": median,
                 "step_times_s": times[name],
                 "tokens_per_s": tokens / median,
                 "peak_memory_bytes": max(p[name] for p in all_peaks),
                 "peak_memory_bytes_per_rank": [p[name] for p in all_peaks],
-                "compile_s": max(0.0, row.first_step_s - median) if compiled else 0.0,
+                "compile_s": max(0.0, row.first_step_s - median) if config_of(name).compiled else 0.0,
                 "collectives_per_step": row.collectives,
             }
+
+
+def _predict(row: str, args: argparse.Namespace, world: int, profile: str) -> dict[str, float | None]:
+    """simplefsdp's own prediction of the row's step time and peak memory per rank (None where it makes
+    none: eager rows, other libraries, torch's passes)."""
+    config = config_of(row)
+    if config.family != "simplefsdp" or not config.compiled or config.passes == "torch":
+        return {"predicted_step_s": None, "predicted_peak_bytes": None}
+    shape = ModelShape(name=row, args=model_args(args), batch=args.batch, seq=args.seq)
+    result = dry_run(
+        shape,
+        world_size=world,
+        device=profile,
+        strategy=config.strategy,
+        mp_policy=simplefsdp.MixedPrecisionPolicy(),
+        passes=passes_of(config, profile),
+        optimizer="adamw",
+    )
+    return {"predicted_step_s": result.step_s, "predicted_peak_bytes": result.peak_bytes}
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add_model_arguments(parser)
     parser.add_argument("--tiny", action="store_true", help=f"a tiny model and 2 timed steps: {TINY}")
-    parser.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated subset of {', '.join(ROWS)}")
+    parser.add_argument("--rows", default=None, help=f"comma-separated: {', '.join(CONFIGS)}, {FRONTIER}<fraction>")
+    parser.add_argument(
+        "--frontier", default="0.05,0.2,0.5", help="memory budgets (fractions) of the auto-plan rows added by default"
+    )
+    parser.add_argument("--profile", default=None, help="a `simplefsdp calibrate` file (default: measure first)")
+    parser.add_argument("--no-predict", action="store_true", help="skip simplefsdp's predictions (dry runs)")
     parser.add_argument("--world", type=int, default=0, help="ranks; 0: 2 on the CPU, every GPU on CUDA")
     parser.add_argument("--out", default="bench/results", help="directory for scoreboard.json / .md / .png")
     args = parser.parse_args(argv)
     if args.tiny:
         vars(args).update(TINY)
-    args.rows = [r.strip() for r in args.rows.split(",")]
-    unknown = [r for r in args.rows if r not in ROWS]
-    if unknown:
-        parser.error(f"unknown rows {unknown}; known: {', '.join(ROWS)}")
+    if args.rows is None:
+        args.rows = [*CONFIGS, *(f"{FRONTIER}{f.strip()}" for f in args.frontier.split(",") if f.strip())]
+    else:
+        args.rows = [r.strip() for r in args.rows.split(",")]
+    for row in args.rows:
+        try:
+            config_of(row)
+        except ValueError as error:
+            parser.error(str(error))
     cuda = torch.cuda.is_available()
     args.backend = "nccl" if cuda else "gloo"
     world = args.world or (torch.cuda.device_count() if cuda else 2)
     setup = report.describe_setup(args, world)
     print(setup["summary"], flush=True)
     os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")  # see simplefsdp/train/launch.py's note
-    results = spawn(_worker, args, world=world, port=args.port, backend=args.backend)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    rows = {name: {"label": ROWS[name], **results[name]} for name in args.rows}
+    results = spawn(_worker, args, world=world, port=args.port, backend=args.backend)
+    profile = results.pop("profile")
+    rows = {}
+    for name in args.rows:
+        predicted = {} if args.no_predict else _predict(name, args, world, profile)
+        rows[name] = {
+            "label": config_of(name).label,
+            "strategy": config_of(name).strategy,
+            **results[name],
+            **predicted,
+        }
+    setup["profile"] = profile
     document = {"setup": setup, "rows": rows, "targets": report.targets(rows)}
     (out / "scoreboard.json").write_text(json.dumps(document, indent=2) + "\n")
     table = report.markdown(document)
     (out / "scoreboard.md").write_text(table)
-    report.plot(rows, out / "scoreboard.png", title=setup["summary"])
+    report.plot(rows, out / "scoreboard.png", title=setup["summary"], frontier_prefix=FRONTIER)
     print(table)
     print(f"wrote {out / 'scoreboard.json'}, {out / 'scoreboard.md'}, {out / 'scoreboard.png'}")
     return 0

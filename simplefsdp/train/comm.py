@@ -4,7 +4,8 @@
     with recording(pass_of(model)) as graphs:   # around the first (compiling) call of the step
         loss_fn(compiled(batch)).backward()
     summary = summarize(model, graphs, profile=cost.profile("cpu-gloo"))
-    print(summary.line())   # comm: 10 collectives/step (from 58 traced), 81% overlapped (cost model cpu-gloo)
+    print(summary.line())   # comm: 10 collectives/step (from 58 traced), 81% overlapped (cost model 'cpu-gloo'),
+                            # transient peak 30.1 MiB (from 26.3 traced)
 
 [Note: what the numbers are]
 - *collectives/step*: the collective launches (all-gather, reduce-scatter, all-reduce; TP's too) in
@@ -14,7 +15,12 @@
   replay of `simplefsdp.inspect.schedule` with the cost model's device profile. It is an estimate
   from the graph's order and alpha-beta / roofline costs, not a measurement (nothing on a CPU
   exposes per-collective timing without slowing the step); it says how much the schedule *can*
-  hide, and is 0% when every collective is waited right after launch.
+  hide, and is 0% when every collective is waited right after launch. The profile is the one the run
+  plans with (`--profile`: a name or a `simplefsdp calibrate` file);
+- *transient peak*: the larger of the forward's and the backward's peak live bytes by the liveness
+  walk of `simplefsdp.passes.liveness` (the one the pass checks its memory budget with and
+  `simplefsdp inspect` reports), after the pass and, in brackets, before it: what the pass costs in
+  memory. Graph-level: allocator caching and communication libraries' buffers are not in it.
 Eager runs trace nothing: the summary says so instead of guessing.
 """
 
@@ -28,6 +34,7 @@ from simplefsdp.inspect.record import StepGraphs
 from simplefsdp.inspect.schedule import simulate_step
 from simplefsdp.passes import cost
 from simplefsdp.passes.collectives import is_collective
+from simplefsdp.passes.liveness import graph_peak
 
 __all__ = ["CommSummary", "summarize"]
 
@@ -41,6 +48,8 @@ class CommSummary:
     collectives_before_pass: int = 0
     overlapped_pct: float | None = None
     profile: str = ""
+    peak_bytes: int = 0
+    peak_bytes_before_pass: int = 0
 
     def line(self) -> str:
         if not self.traced:
@@ -48,11 +57,19 @@ class CommSummary:
         text = f"comm: {self.collectives} collectives/step (from {self.collectives_before_pass} traced)"
         if self.overlapped_pct is not None:
             text += f", {self.overlapped_pct:.0f}% overlapped (cost model '{self.profile}')"
-        return text
+        mib = 2**20
+        return (
+            text
+            + f", transient peak {self.peak_bytes / mib:.1f} MiB (from {self.peak_bytes_before_pass / mib:.1f} traced)"
+        )
 
 
 def _count(graphs: list[fx.Graph]) -> int:
     return sum(is_collective(node) for graph in graphs for node in graph.nodes)
+
+
+def _peak(graphs: list[fx.Graph]) -> int:
+    return max((graph_peak(graph).peak_bytes for graph in graphs), default=0)
 
 
 def summarize(model: nn.Module, graphs: StepGraphs | None, *, profile: cost.DeviceProfile) -> CommSummary:
@@ -71,4 +88,6 @@ def summarize(model: nn.Module, graphs: StepGraphs | None, *, profile: cost.Devi
         collectives_before_pass=_count(graphs.pre),
         overlapped_pct=overlapped,
         profile=profile.name,
+        peak_bytes=_peak(graphs.post),
+        peak_bytes_before_pass=_peak(graphs.pre),
     )

@@ -9,9 +9,22 @@ import sys
 from pathlib import Path
 
 SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "scoreboard.py"
-# the rows the scoreboard must compare; "ours-auto", a variant of "ours", is left out to save a compile
-ROWS = ["ddp", "fsdp2", "fsdp2-compile", "simplefsdp-eager", "no-passes", "ours", "torch-passes"]
-COMPILED = {"fsdp2-compile", "no-passes", "ours", "torch-passes"}
+# the rows the scoreboard compares, one of each kind: "ours-auto" and torch's SHARD_GRAD_OP row are
+# left out to save compiles; "auto@0.2" is one point of the auto plan's memory frontier
+ROWS = [
+    "ddp",
+    "fsdp2",
+    "fsdp2-compile",
+    "simplefsdp-eager",
+    "no-passes",
+    "ours",
+    "torch-passes",
+    "fsdp2-zero2",
+    "ours-zero2",
+    "auto@0.2",
+]
+COMPILED = {"fsdp2-compile", "no-passes", "ours", "torch-passes", "ours-zero2", "auto@0.2"}
+PREDICTED = {"no-passes", "ours", "ours-zero2", "auto@0.2"}  # simplefsdp's compiled rows with its passes or none
 
 
 def test_scoreboard_runs_end_to_end(tmp_path):
@@ -30,10 +43,29 @@ def test_scoreboard_runs_end_to_end(tmp_path):
         assert row["peak_memory_bytes"] == max(row["peak_memory_bytes_per_rank"]) > 0
         assert (row["compile_s"] > 0) == (key in COMPILED), key
         assert row["collectives_per_step"] > 0, key
+        assert (row["predicted_step_s"] is not None) == (key in PREDICTED), key
+        if key in PREDICTED:
+            assert row["predicted_step_s"] > 0, key
+            assert row["predicted_peak_bytes"] > 0, key
+    assert rows["ours-zero2"]["strategy"] == rows["fsdp2-zero2"]["strategy"] == "SHARD_GRAD_OP"
+    profile = json.loads(Path(document["setup"]["profile"]).read_text())  # measured by the ranks first
+    assert profile["flops_per_s"] > 0, profile
+    assert profile["collectives"], profile
     # the counter sees both eager hooks and compiled code: bucketing must show in it
     assert rows["ours"]["collectives_per_step"] < rows["no-passes"]["collectives_per_step"]
     assert rows["torch-passes"]["collectives_per_step"] < rows["no-passes"]["collectives_per_step"]
-    assert [t["target"].split(":")[0] for t in document["targets"]] == ["tokens_per_s"] * 3 + ["peak_memory_bytes"]
+    # every target whose rows ran, each with a verdict (torch's SHARD_GRAD_OP row did not run: no 1.05x target)
+    names = [t["target"].split(" (")[0] for t in document["targets"]]
+    assert names == [
+        "FULL_SHARD default: tokens_per_s / FSDP2 eager >= 1.5",
+        "FULL_SHARD default: peak_memory_bytes / FSDP2 eager <= 0.8",
+        "FULL_SHARD default: tokens_per_s / FSDP2 + compile per block >= 1.0",
+        "FULL_SHARD default: tokens_per_s / simplefsdp compiled, torch's passes >= 1.0",
+        "auto plan",
+        "predicted step within +-15% of measured, every simplefsdp row",
+        "predicted peak within +-10% of measured, every simplefsdp row",
+    ], names
+    assert all(isinstance(t["met"], bool) and t["ratio"] >= 0 for t in document["targets"])
     table = (tmp_path / "scoreboard.md").read_text()
     assert all(f"| {row['label']} |" in table for row in rows.values())
     assert table in done.stdout

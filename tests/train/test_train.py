@@ -57,6 +57,9 @@ def test_loss_falls_and_checkpoints_are_written(first_run):
     assert 0 < summary["collectives"] < summary["collectives_before_pass"]
     assert f"comm: {summary['collectives']} collectives/step (from {summary['collectives_before_pass']}" in done.stderr
     assert 0.0 <= summary["overlapped_pct"] <= 100.0
+    assert summary["peak_bytes"] > 0, "the liveness walk's transient peak"
+    assert summary["peak_bytes_before_pass"] > 0
+    assert f"transient peak {summary['peak_bytes'] / 2**20:.1f} MiB" in done.stderr
 
 
 def test_resume_continues_step_count_and_loss_curve(first_run, tmp_path):
