@@ -37,7 +37,7 @@ __all__ = ["BucketConfig", "FsdpPass", "PassConfig", "parse_memory_budget", "pla
 
 logger = logging.getLogger(__name__)
 
-_VERSION = "4"  # bump when the pass's output changes for the same input graph (keys the compile cache)
+_VERSION = "5"  # bump when the pass's output changes for the same input graph (keys the compile cache)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
