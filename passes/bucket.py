@@ -6,8 +6,9 @@ zero pad of a short last shard; `chunk_i` elements each once padded):
     buf  = all_gather_copy_in([x_i ...], chunks, dtype, world, rank)  # [world * N]; cast + pad +
                                                                        # concat into slot `rank`
     out  = wait(all_gather_into_tensor_out(buf[rank * N : (rank + 1) * N], world, group, out=buf))
-    full = all_gather_copy_out(out, chunks, shapes, world)             # each in the shape of the
-                                                                       # member's wait result
+    full = all_gather_copy_out(out, chunks, sizes, ndims, world)       # each in the shape of the
+                                                                       # member's wait result (the
+                                                                       # shapes, flattened)
 
 Reduce-scatter bucket (members: full gradients `g_i`, before the cast to the reduce dtype and the
 zero pad of dim 0 to a multiple of world):
