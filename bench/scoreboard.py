@@ -34,8 +34,6 @@ Measurements, per row:
 - predicted step time and peak memory (simplefsdp's compiled rows with its own passes or none):
   `simplefsdp.inspect.dry_run` of the same configuration with the profile, in the parent process.
 
-[Note: peak memory]; the table shows the largest over the ranks.
-
 [Note: peak memory]
 All rows live in one process (so their steps can be interleaved), so a process-wide high-water mark
 cannot tell them apart. Peak = the row's resident state (bytes of this rank's parameters and

@@ -254,13 +254,15 @@ def reorder_reductions(
     late as the budget allows; returns how many waits moved. `budget`: bytes of the inputs of the
     reductions in flight (default: the config's, or the largest reduction's input)."""
     reductions = find_fsdp_reductions(graph, groups=groups)
+    # each launch with its chain: the same nodes before and after they move
+    chains = {r.launch: [*_reduction_launch_chain(r.launch), r.launch] for r in reductions}
     for r in reductions:  # as soon as possible: each chain node right after its latest input
-        for node in sorted([*_reduction_launch_chain(r.launch), r.launch]):
+        for node in sorted(chains[r.launch]):
             inputs = node.all_input_nodes
             if inputs and (latest := max(inputs)).next is not node:
                 latest.append(node)
     reductions.sort(key=lambda r: r.launch)
-    launch_of = [min([*_reduction_launch_chain(r.launch), r.launch]) for r in reductions]
+    launch_of = [min(chains[r.launch]) for r in reductions]
     sizes = [_out_bytes(r.sent) for r in reductions]
     if budget is None:
         budget = config.max_in_flight_bytes or max(sizes, default=0)
