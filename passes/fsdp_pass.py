@@ -7,11 +7,15 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
+import importlib.metadata
 import logging
-from collections.abc import Collection
+from collections.abc import Collection, Iterable
+from pathlib import Path
 from typing import Literal
 
+import torch
 import torch.distributed as dist
 from torch import fx
 
@@ -37,7 +41,25 @@ __all__ = ["BucketConfig", "FsdpPass", "PassConfig", "parse_memory_budget", "pla
 
 logger = logging.getLogger(__name__)
 
-_VERSION = "5"  # bump when the pass's output changes for the same input graph (keys the compile cache)
+
+def source_digest(files: Iterable[Path]) -> str:
+    """A SHA-256 over the names and bytes of `files` (order-independent): equal iff every file's
+    name and contents are."""
+    digest = hashlib.sha256()
+    for path in sorted(Path(f) for f in files):
+        digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()
+
+
+@functools.cache
+def _code_fingerprint() -> str:
+    """What, besides its configuration, decides what the pass writes into a graph: the source of the
+    passes and kernels packages (the ops it inserts and their signatures), `_compat.py` (the torch APIs
+    it reaches), and the simplefsdp and torch versions. See [Note: what keys the compile cache]."""
+    from simplefsdp import _compat, kernels
+
+    files = [*Path(__file__).parent.glob("*.py"), *Path(kernels.__file__).parent.glob("*.py"), Path(_compat.__file__)]
+    return f"{importlib.metadata.version('simplefsdp')}-{torch.__version__}-{source_digest(files)}"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -180,7 +202,13 @@ class FsdpPass(CustomGraphPass):
         profile = None  # a profile file's numbers, not just its path, decide the auto plan
         if self.config.bucket is not None and self.config.bucket.plan == "auto":
             profile = cost.profile(self.config.bucket.device)
-        key = f"simplefsdp-pass-{_VERSION}-{self.config}-{profile}-{groups}-rank{rank}"
+        # [Note: what keys the compile cache]
+        # Inductor's caches outlive an upgrade: a graph compiled by an older pass would be served to
+        # a newer one whenever the incoming graph is the same. A hand-bumped version string was
+        # forgotten too often, so the key carries a digest of the code that decides the pass's
+        # output (`_code_fingerprint`): any edit to the passes or kernels, or another torch or
+        # simplefsdp version, is a miss.
+        key = f"simplefsdp-pass-{_code_fingerprint()}-{self.config}-{profile}-{groups}-rank{rank}"
         return hashlib.sha256(key.encode()).hexdigest()
 
 

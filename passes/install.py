@@ -21,7 +21,9 @@ Consequences:
   with `config.patch`;
 - when the model is called from inside a larger compiled function (`torch.compile(train_step)`),
   the config is already fixed by the time Dynamo reaches the model; the wrapper then does
-  nothing, and `active(model)` around the compiled call is the way to apply the pass.
+  nothing, and `active(model)` around the compiled call is the way to apply the pass. Without it,
+  the first such trace warns once (`_inactive_check`): the graphs compile with no bucketing and no
+  reordering, which is correct but slow, and was silent.
 """
 
 from __future__ import annotations
@@ -30,7 +32,8 @@ import contextlib
 import functools
 import hashlib
 import types
-from collections.abc import Iterator, Sequence
+import warnings
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 from torch import fx, nn
@@ -165,6 +168,32 @@ def _fresh_code(function: types.FunctionType) -> types.FunctionType:
     return copy
 
 
+def _inactive_check(cls: type[nn.Module], pass_key: str) -> Callable[[], bool]:
+    """A check, run by Dynamo once per trace (its result is a constant of the graph), that warns
+    the first time a model of `cls` whose pass is keyed `pass_key` is traced inside a larger
+    compiled function without that pass configured."""
+    warned = False
+
+    @torch.compiler.assume_constant_result
+    def check() -> bool:
+        nonlocal warned
+        current = configured_passes(inductor_config.post_grad_custom_post_pass)
+        configured = any(isinstance(p, FsdpPass) and p.uuid() == pass_key for p in current)
+        if not configured and not warned:
+            warned = True
+            warnings.warn(
+                f"simplefsdp: a wrapped {cls.__name__} is being compiled inside a larger compiled function, "
+                "where simplefsdp's graph passes (bucketing, reordering) do not run by themselves; the "
+                "graphs will be correct but unbucketed. Call the compiled function inside "
+                "`with simplefsdp.passes.install.active(model):`, or compile the model itself.",
+                UserWarning,
+                stacklevel=2,
+            )
+        return configured
+
+    return check
+
+
 @functools.cache
 def _compiling_class(cls: type[nn.Module], pass_key: str) -> type[nn.Module]:
     """`cls` with a `forward` that runs under the pass keyed `pass_key` (its `uuid()`), named
@@ -175,9 +204,11 @@ def _compiling_class(cls: type[nn.Module], pass_key: str) -> type[nn.Module]:
         return original_forward(self, *args, **kwargs)
 
     entry = _fresh_code(compiled_entry)
+    check_configured = _inactive_check(cls, pass_key)
 
     def forward(self, *args, **kwargs):
         if torch.compiler.is_compiling():  # inlined into a larger compiled function, see the module note
+            check_configured()
             return original_forward(self, *args, **kwargs)
         stack = _enter(self)
         try:

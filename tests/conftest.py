@@ -2,12 +2,30 @@
 
 from __future__ import annotations
 
+import os
+import shutil
+import tempfile
+
 import pytest
 import torch
 import torch.distributed as dist
 
 from simplefsdp._compat import init_fake_process_group
 from tests._dist import RankPool
+
+
+def pytest_configure(config):
+    """[Note: a fresh compile cache per test session]
+    Inductor's on-disk caches outlive a session: a graph compiled by another version of the pass
+    would be served to this one whenever the incoming graph matches, and the tests that claim to
+    test the pass would test that other version. Each session compiles into its own directory
+    (inherited by the spawned ranks and the torchrun jobs), shared by its tests and removed after."""
+    config._simplefsdp_cache_dir = tempfile.mkdtemp(prefix="simplefsdp-test-inductor-")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = config._simplefsdp_cache_dir
+
+
+def pytest_unconfigure(config):
+    shutil.rmtree(getattr(config, "_simplefsdp_cache_dir", ""), ignore_errors=True)
 
 
 @pytest.fixture(scope="module")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import pathlib
 
 from torch import fx
 
@@ -81,9 +82,9 @@ def test_models_of_one_class_with_different_passes_compile_apart(fake_world8):
 
 
 def test_pass_cache_key_is_its_configuration():
-    """The `uuid()` that keys inductor's caches depends on the configuration, groups and rank only:
+    """The `uuid()` that keys inductor's caches depends on the configuration, groups, rank and code:
     equal in two fresh processes (no ids, no hash seeds), different when the pass would do something
-    else (the rank's part is tested in test_rank_independence.py)."""
+    else (the rank's part is tested in test_rank_independence.py, the code's below)."""
     import subprocess
     import sys
 
@@ -106,6 +107,48 @@ def test_pass_cache_key_is_its_configuration():
     assert FsdpPass(PassConfig(), groups=groups).uuid() != key
 
 
+_PASS_KEY_SCRIPT = (
+    "from simplefsdp.passes.fsdp_pass import FsdpPass, PassConfig;"
+    "import simplefsdp.passes.bucket as b; print(b.__file__); print(FsdpPass(PassConfig(), groups=[(0, 1)]).uuid())"
+)
+
+
+def _pass_key_of(copy: pathlib.Path) -> str:
+    """The pass's cache key as a fresh process importing simplefsdp from the tree `copy` computes it."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONPATH": str(copy)}
+    run = subprocess.run(
+        [sys.executable, "-c", _PASS_KEY_SCRIPT], capture_output=True, text=True, check=True, env=env, cwd=copy
+    )
+    imported, key = run.stdout.split()
+    assert imported.startswith(str(copy)), f"the copy was not the simplefsdp imported: {imported}"
+    return key
+
+
+def test_pass_cache_key_covers_the_pass_source(tmp_path):
+    """An edit to the pass's or the kernels' source (an upgrade that forgot to bump anything) changes
+    the key, so inductor's caches never serve a graph an older pass wrote."""
+    import shutil
+
+    import simplefsdp
+    from simplefsdp import kernels, passes
+
+    tree = tmp_path / "simplefsdp"  # the installed layout: passes/ and kernels/ inside the package
+    shutil.copytree(pathlib.Path(simplefsdp.__file__).parent, tree, ignore=shutil.ignore_patterns("__pycache__"))
+    for sub in (passes, kernels):
+        shutil.copytree(pathlib.Path(sub.__file__).parent, tree / sub.__name__.rsplit(".", 1)[1], dirs_exist_ok=True)
+    before = _pass_key_of(tmp_path)
+    assert _pass_key_of(tmp_path) == before, "the key must be stable for the same source"
+    for edited in (tree / "passes" / "bucket.py", tree / "kernels" / "copy_ops.py"):
+        edited.write_text(edited.read_text() + "\n# an edit\n")
+        after = _pass_key_of(tmp_path)
+        assert after != before, f"editing {edited.name} left the cache key unchanged"
+        before = after
+
+
 def test_a_sequential_root_compiles_as_one_graph(fake_world8):
     """A root whose `forward` is torch's own (`nn.Sequential`): Dynamo compiles our entry frame and
     inlines it, one forward and one backward graph, bucketed ([Note: the compiled frame is ours])."""
@@ -117,4 +160,37 @@ def test_a_sequential_root_compiles_as_one_graph(fake_world8):
     model = simplefsdp.wrap(torch.nn.Sequential(*(torch.nn.Linear(8, 8) for _ in range(3))))
     torch.compile(model, backend="simplefsdp_aot_eager")(torch.randn(2, 8)).sum().backward()
     assert pass_of(model).graphs == 2, "one graph per parameter gather means the layers ran eagerly"
+    assert pass_of(model).merged > 0
+
+
+def test_compiled_inside_a_larger_function_warns_unless_active(fake_world8):
+    """A wrapped model traced inside `torch.compile(fn)` gets no passes unless `active(model)` is
+    around the call: that used to be silent; now the first trace warns (once), and with `active`
+    the pass runs and nothing warns."""
+    import warnings
+
+    import torch
+
+    import simplefsdp
+    from simplefsdp.passes.install import active, pass_of
+
+    def build():
+        return simplefsdp.wrap(torch.nn.Sequential(*(torch.nn.Linear(8, 8) for _ in range(2))))
+
+    model = build()
+    step = torch.compile(lambda x: model(x).sum(), backend="simplefsdp_aot_eager")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        step(torch.randn(2, 8)).backward()
+        step(torch.randn(3, 8)).backward()  # a recompile (new shape) does not warn again
+    assert sum("larger compiled function" in str(w.message) for w in caught) == 1
+    assert pass_of(model).graphs == 0, "no active pass, no pass run"
+
+    model = build()
+    step = torch.compile(lambda x: model(x).sum(), backend="simplefsdp_aot_eager")
+    with warnings.catch_warnings(record=True) as caught, active(model):
+        warnings.simplefilter("always")
+        step(torch.randn(2, 8)).backward()
+    assert not [w for w in caught if "larger compiled function" in str(w.message)]
+    assert pass_of(model).graphs == 2
     assert pass_of(model).merged > 0
