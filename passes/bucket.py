@@ -30,6 +30,7 @@ after it.
 
 from __future__ import annotations
 
+import logging
 import math
 import operator
 from collections.abc import Callable, Sequence
@@ -49,6 +50,8 @@ from simplefsdp.passes.collectives import Collective, is_cast_or_pad
 from simplefsdp.passes.detect import FsdpAllGather
 from simplefsdp.passes.plan import Bucket
 from simplefsdp.passes.walk import walk
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["apply_all_gather_buckets", "apply_reduction_buckets", "independent"]
 
@@ -100,9 +103,11 @@ def _apply(
     """For each mergeable bucket, `merge` builds the merged collective and returns one replacement per
     member (the value its wait produced) and the cast / pad nodes it made redundant; the members
     and those nodes are then removed. Returns collectives removed."""
-    removed = 0
+    removed, unsupported = 0, []
     for bucket in buckets:
-        members = [items[i] for i in bucket.members if _copy_ops_support(items[i])]
+        planned = [(items[i], _copy_ops_support(items[i])) for i in bucket.members]
+        members = [member for member, supported in planned if supported]
+        unsupported += [member for member, supported in planned if not supported and len(planned) > 1]
         if len(members) < 2 or not independent(members):
             continue
         replacements, prep = merge(graph, members)
@@ -113,8 +118,21 @@ def _apply(
             graph.erase_node(member.launch)
         _erase_dead(graph, prep)
         removed += len(members) - 1
+    if unsupported:
+        logger.warning(
+            "simplefsdp pass: %d collective(s) planned into buckets keep their own collective: the bucket copy "
+            "ops handle %s only (%s)",
+            len(unsupported),
+            ", ".join(map(str, SUPPORTED_DTYPES)),
+            ", ".join(f"{m.launch.name}: {_sent_dtype(m)}" for m in unsupported),
+        )
     stable_topological_sort(graph)
     return removed
+
+
+def _sent_dtype(member: Collective) -> str:
+    val = member.sent.meta.get("val")
+    return str(val.dtype) if isinstance(val, torch.Tensor) else "no traced metadata"
 
 
 def _copy_ops_support(member: Collective) -> bool:

@@ -287,13 +287,18 @@ def test_a_cast_chain_keeps_its_intermediate_rounding(fake_world8):
     assert casts == [torch.bfloat16, torch.bfloat16], "each shard's bf16 rounding is kept; the copy-in casts back"
 
 
-def test_float64_parameters_keep_their_own_collectives(fake_world8):
-    """The bucket copy ops handle fp32 / bf16 / fp16: fp64 parameters are left as traced, and the
-    model trains (no error from a copy op at the first step)."""
+def test_float64_parameters_keep_their_own_collectives(fake_world8, caplog):
+    """The bucket copy ops handle fp32 / bf16 / fp16: fp64 parameters are left as traced, the pass
+    says so (it used to drop them from the merge silently), and the model trains (no error from a
+    copy op at the first step)."""
     model = torch.nn.Sequential(*(torch.nn.Linear(8, 8) for _ in range(3))).double()
     graph_pass = pass_of(simplefsdp.wrap(model, init_device_mesh("cpu", (8,))))
     compiled = torch.compile(model, backend="simplefsdp_aot_eager")
-    compiled(torch.randn(2, 8, dtype=torch.float64)).sum().backward()
+    with caplog.at_level("WARNING", logger="simplefsdp.passes.bucket"):
+        compiled(torch.randn(2, 8, dtype=torch.float64)).sum().backward()
+    said = [r.getMessage() for r in caplog.records if "keep their own collective" in r.getMessage()]
+    assert len(said) == 2, said  # forward and backward graph
+    assert all("torch.float64" in m for m in said), said
     assert graph_pass.graphs == 2
     assert graph_pass.merged == 0
     assert all(p.grad is not None and p.grad.dtype == torch.float64 for p in model.parameters())
