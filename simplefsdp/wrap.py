@@ -23,6 +23,7 @@ from simplefsdp.mixed_precision import MixedPrecisionPolicy
 from simplefsdp.parametrize import gather_on_access, is_wrapped_module
 from simplefsdp.passes.fsdp_pass import FsdpPass, PassConfig
 from simplefsdp.passes.install import attach_pass
+from simplefsdp.replicated import broadcast_replicated
 from simplefsdp.strategy import ShardingStrategy
 from simplefsdp.tensor_parallel import TensorParallelLayout, check_tensor_parallel, shard_tensor_parallel
 from simplefsdp.tied import install_scope
@@ -66,7 +67,8 @@ def wrap(
     yield it under its original name as an `nn.Parameter` holding a DTensor with the strategy's
     placements; `module.<name>` returns the full tensor (gathered in `param_dtype`), and its
     gradient lands reduced in `param.grad` with the master's placements and dtype. Buffers and
-    non-floating-point parameters are untouched (replicated, as before). A tied parameter (one
+    non-floating-point parameters stay whole on every rank and take rank 0's values, as the
+    sharded parameters do (`replicated.py`). A tied parameter (one
     object in several modules) stays one sharded parameter, gathered once per forward of `model`
     and reduced once (`tied.py`); a frozen one (`requires_grad=False`) is gathered and never reduced.
 
@@ -90,6 +92,7 @@ def wrap(
         wrap_id=next(_WRAP_IDS),
     )
     has_tied = _shard_parameters(model, params, settings)
+    broadcast_replicated(model, mesh)
     _install_on_root(model, settings, passes=passes, has_tied=has_tied)
     logger.info(
         "simplefsdp.wrap: %d parameters (%.2fM elements) -> %s on %s, reshard_after_forward=%s, %s",

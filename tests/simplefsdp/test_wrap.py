@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -260,3 +261,46 @@ def test_bad_pattern_leaves_the_model_unwrapped(mesh):
         simplefsdp.wrap(model, mesh, passes=config)
     assert not any(isinstance(p, DTensor) for p in model.parameters()), "checked before anything changed"
     simplefsdp.wrap(model, mesh)  # and it can still be wrapped
+
+
+class _WithState(torch.nn.Module):
+    """Parameters plus every kind of replicated state: a float buffer, a bool buffer, a
+    non-persistent buffer, an integer parameter, and a BatchNorm's running statistics."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 4)
+        self.norm = torch.nn.BatchNorm1d(4)
+        self.register_buffer("scale", torch.ones(3))
+        self.register_buffer("mask", torch.zeros(5, dtype=torch.bool))
+        self.register_buffer("table", torch.zeros(2, 2).t(), persistent=False)  # not contiguous
+        self.index = torch.nn.Parameter(torch.zeros(2, dtype=torch.int64), requires_grad=False)
+
+
+def _replicated_state_after_wrap(mesh_shape: tuple[int, ...]) -> dict[str, list]:
+    """On each rank: state set from the rank number, then wrapped over a mesh of `mesh_shape`."""
+    rank = dist.get_rank()
+    model = _WithState()
+    with torch.no_grad():
+        for t in (model.norm.running_mean, model.scale, model.table, model.index):
+            t.fill_(rank + 1)
+        model.mask[rank] = True
+        model.norm.num_batches_tracked.fill_(10 * rank)
+    simplefsdp.wrap(
+        model, init_device_mesh("cpu", mesh_shape), strategy="HYBRID_SHARD" if len(mesh_shape) > 1 else "FULL_SHARD"
+    )
+    return {name: t.tolist() for name, t in [*model.named_buffers(), ("index", model._parameters["index"])]}
+
+
+@pytest.mark.parametrize("mesh_shape", [(4,), (2, 2)], ids=["1d", "2d"])
+def test_replicated_state_takes_rank0_values(ranks4, mesh_shape):
+    """Buffers and integer parameters start from rank 0's values, as the sharded parameters do: a
+    rank that initialised differently no longer evaluates a different model ([Note: replicated
+    state starts from rank 0])."""
+    states = ranks4.run(_replicated_state_after_wrap, mesh_shape)
+    assert states[0]["norm.running_mean"] == [1.0] * 4
+    assert states[0]["mask"] == [True] + [False] * 4
+    assert states[0]["norm.num_batches_tracked"] == 0
+    assert states[0]["index"] == [1, 1]
+    for rank, state in enumerate(states[1:], start=1):
+        assert state == states[0], f"rank {rank} kept its own replicated state"
