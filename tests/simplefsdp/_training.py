@@ -165,13 +165,15 @@ def train_fsdp2(strategy: str, *, param_dtype=None, reduce_dtype=None) -> Result
     return _train_distributed(model, model)
 
 
-def tiny_bias_grads(backend: str) -> dict[str, torch.Tensor]:
-    """FULL_SHARD on the whole world, a Linear(5, 3) whose bias (3) is smaller than the world (4):
-    one step's full gradients, to compare with a single process on the whole batch."""
+def tiny_bias_grads(backend: str) -> tuple[dict[str, torch.Tensor], int]:
+    """FULL_SHARD on the whole world, a Linear(5, 3) and a Linear(3, 2) whose biases (3, 2) and
+    rows are fewer than the ranks on a world of 4 (some shards empty) and uneven on 2: one step's
+    full gradients, to compare with a single process on the whole batch, and how many collectives
+    the pass merged away (0 without one)."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(5, 3), torch.nn.Tanh(), torch.nn.Linear(3, 2))
     simplefsdp.wrap(model)
     step_fn = model if backend == "eager" else torch.compile(model, backend=backend)
     x = torch.randn(4 * dist.get_world_size(), 5, generator=torch.Generator().manual_seed(1))
     step_fn(x.chunk(dist.get_world_size())[dist.get_rank()]).square().mean().backward()
-    return {fqn: p.grad.full_tensor() for fqn, p in model.named_parameters()}
+    return {fqn: p.grad.full_tensor() for fqn, p in model.named_parameters()}, pass_of(model).merged
