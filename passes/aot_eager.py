@@ -10,6 +10,7 @@ simplefsdp's pass handles both forms.
 
 from __future__ import annotations
 
+from functorch.compile import make_boxed_func
 from torch import fx
 
 from simplefsdp._compat import aot_autograd, inductor_config, min_cut_rematerialization_partition, register_backend
@@ -20,11 +21,13 @@ __all__ = ["BACKEND_NAME", "backend"]
 BACKEND_NAME = "simplefsdp_aot_eager"
 
 
-def _run_post_grad_pass(gm: fx.GraphModule, example_inputs) -> fx.GraphModule:
+def _run_post_grad_pass(gm: fx.GraphModule, example_inputs):
+    """The graph after the configured passes, as a callable taking its inputs boxed (in one list
+    that it may free as it goes), the calling convention AOTAutograd expects."""
     ChainedPass(configured_passes(inductor_config.post_grad_custom_post_pass))(gm.graph)
     gm.graph.lint()
     gm.recompile()
-    return gm
+    return make_boxed_func(gm)
 
 
 def backend(gm: fx.GraphModule, example_inputs):

@@ -57,6 +57,10 @@ from torch._inductor.pattern_matcher import stable_topological_sort
 # torch._inductor.utils.run_and_get_code: checked on 2.13.
 from torch._inductor.utils import run_and_get_code
 
+# Set the level of every torch logger at once (the other ranks of `simplefsdp train` show errors
+# only). torch._logging.set_logs (documented, in a private module): checked on 2.13.
+from torch._logging import set_logs as set_torch_logs
+
 # OpOverload / OpOverloadPacket: the types of `torch.ops.<ns>.<op>[.overload]`, to recognise FX targets.
 # torch._ops: checked on 2.13.
 from torch._ops import OpOverload, OpOverloadPacket
@@ -264,6 +268,7 @@ __all__ = [
     "resolve_process_group",
     "root_mesh",
     "run_and_get_code",
+    "set_torch_logs",
     "stable_topological_sort",
     "tree_leaves",
     "tree_map_only",

@@ -14,6 +14,12 @@ per process sized to the machine, so N ranks on a small machine fight N pools fo
 Spawned CPU ranks get `TORCHINDUCTOR_COMPILE_THREADS=1` and an equal share of the cores for
 intra-op threads, unless the environment already sets the variable. Under torchrun the user's
 environment is left as it is.
+
+[Note: one rank speaks]
+Every rank runs the same code and meets the same warnings; N copies of each, interleaved through
+rank 0's progress bar, bury the one line that differs. So ranks other than 0 show errors only --
+Python warnings ignored, their loggers and torch's at ERROR -- unless `verbose=True`. A failing
+rank still reports: its traceback travels back to the launcher (`RankFailedError`).
 """
 
 from __future__ import annotations
@@ -25,12 +31,15 @@ import os
 import queue
 import tempfile
 import traceback
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from simplefsdp._compat import set_torch_logs
 
 __all__ = ["RankFailedError", "run_on_ranks", "under_torchrun"]
 
@@ -67,11 +76,15 @@ def _run(function: RankFunction, device_type: str, local_rank: int, **init: obje
         dist.destroy_process_group()
 
 
-def _setup_logging(rank: int, loggers: tuple[str, ...]) -> None:
+def _setup_logging(rank: int, loggers: tuple[str, ...], *, verbose: bool) -> None:
     logging.basicConfig(level=logging.WARNING, format=f"[rank {rank}] %(levelname)s %(name)s: %(message)s")
     if rank == 0:
         for name in loggers:
             logging.getLogger(name).setLevel(logging.INFO)
+    elif not verbose:  # [Note: one rank speaks]
+        logging.getLogger().setLevel(logging.ERROR)
+        set_torch_logs(all=logging.ERROR)
+        warnings.simplefilter("ignore")
 
 
 def _spawned(
@@ -82,10 +95,11 @@ def _spawned(
     device_type: str,
     passthrough: tuple[type[BaseException], ...],
     loggers: tuple[str, ...],
+    verbose: bool,
     timeout: datetime.timedelta | None,
     results: mp.Queue,
 ) -> None:
-    _setup_logging(rank, loggers)
+    _setup_logging(rank, loggers, verbose=verbose)
     if device_type == "cpu":
         torch.set_num_threads(max(1, (os.cpu_count() or world) // world))
     try:
@@ -134,6 +148,7 @@ def run_on_ranks(
     device_type: str,
     passthrough: tuple[type[BaseException], ...] = (),
     loggers: tuple[str, ...] = (),
+    verbose: bool = False,
     timeout: datetime.timedelta | None = None,
 ) -> Any:
     """`function(device)` on every rank, inside an initialised default process group; returns rank
@@ -141,13 +156,14 @@ def run_on_ranks(
 
     `function` must be picklable (a module-level function or a `functools.partial` of one). A
     spawned rank's exception of a `passthrough` type is raised here as it is; any other becomes a
-    `RankFailedError` holding the lowest failing rank's traceback. `loggers` log at INFO on rank 0.
+    `RankFailedError` holding the lowest failing rank's traceback. `loggers` log at INFO on rank 0;
+    the other ranks show errors only unless `verbose` ([Note: one rank speaks]).
     `timeout`: how long a collective may wait for the other ranks before it fails (default: the
     process group's, 30 minutes).
     """
     if under_torchrun():
         rank = int(os.environ["RANK"])
-        _setup_logging(rank, loggers)
+        _setup_logging(rank, loggers, verbose=verbose)
         result = _run(function, device_type, int(os.environ["LOCAL_RANK"]), timeout=timeout)
         return result if rank == 0 else None
     world = spawn_world(nproc, device_type)
@@ -155,7 +171,7 @@ def run_on_ranks(
     results = ctx.Queue()
     logger.info("spawning %d ranks (%s)", world, "nccl" if device_type == "cuda" else "gloo")
     with tempfile.TemporaryDirectory(prefix="simplefsdp-ranks-") as tmp, _spawn_env(device_type):
-        args = (world, os.path.join(tmp, "pg"), function, device_type, passthrough, loggers, timeout, results)
+        args = (world, os.path.join(tmp, "pg"), function, device_type, passthrough, loggers, verbose, timeout, results)
         try:
             mp.start_processes(_spawned, args=args, nprocs=world, start_method="spawn")
         except (mp.ProcessExitedException, mp.ProcessRaisedException) as err:

@@ -83,6 +83,7 @@ class TrainConfig:
     resume: bool = _field(False, "continue from the newest checkpoint in checkpoint_dir (if any)")
     metrics_file: str = _field("", "append one JSON line per step (step, loss, tokens/s) to this file")
     progress: bool = _field(True, "progress bar on rank 0 (else one log line per 10 steps)")
+    verbose: bool = _field(False, "every rank's warnings, and torch's warnings known benign for this model")
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):

@@ -36,4 +36,5 @@ def launch(config: TrainConfig) -> TrainOutcome | None:
         device_type=device_type,
         passthrough=(ConfigError,),
         loggers=("simplefsdp.train",),
+        verbose=config.verbose,
     )

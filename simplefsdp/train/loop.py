@@ -41,6 +41,7 @@ from simplefsdp.passes.install import pass_of
 from simplefsdp.train import comm
 from simplefsdp.train.config import DTYPES, ConfigError, TrainConfig
 from simplefsdp.train.data import VOCAB, TokenBatches
+from simplefsdp.train.quiet import drop_benign_torch_warnings
 
 __all__ = ["TrainOutcome", "build_model", "train"]
 
@@ -125,6 +126,8 @@ def build_model(config: TrainConfig, device: torch.device) -> TrainSetup:
         parallelize_module(model, tp_mesh, tensor_parallel_plan(model))
     if config.activation_checkpoint != "none":
         simplefsdp.checkpoint_blocks(model, policy=config.activation_checkpoint)
+        if not config.verbose:
+            drop_benign_torch_warnings()
     reduce = None if config.reduce_dtype == "auto" else DTYPES[config.reduce_dtype]
     simplefsdp.wrap(
         model,
