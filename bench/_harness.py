@@ -11,6 +11,7 @@ import argparse
 import os
 import re
 import statistics
+import tempfile
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -51,7 +52,6 @@ def add_model_arguments(parser: argparse.ArgumentParser, *, steps: int = 15) -> 
     parser.add_argument("--batch", type=int, default=2, help="sequences per rank")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=steps, help="timed steps (the median is reported)")
-    parser.add_argument("--port", type=int, default=29512)
 
 
 def model_args(args: argparse.Namespace) -> TransformerArgs:
@@ -98,24 +98,25 @@ def paired_speedup(baseline: list[float], times: list[float]) -> tuple[float, fl
     return median, q1, q3
 
 
-def _rank(rank: int, world: int, port: int, backend: str, worker: Callable, args: Any, results: dict) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+def _rank(rank: int, world: int, store: str, backend: str, worker: Callable, args: Any, results: dict) -> None:
     if backend == "nccl":
         torch.cuda.set_device(rank)
     else:
         torch.set_num_threads(max(1, (os.cpu_count() or world) // world))
-    dist.init_process_group(backend, rank=rank, world_size=world)
+    dist.init_process_group(backend, init_method=f"file://{store}", rank=rank, world_size=world)
     try:
         worker(rank, args, results)
     finally:
         dist.destroy_process_group()
 
 
-def spawn(
-    worker: Callable[[int, Any, dict], None], args: Any, *, world: int = 2, port: int, backend: str = "gloo"
-) -> dict:
-    """Run `worker(rank, args, results)` on `world` ranks (one GPU each with nccl); returns `results`."""
-    with mp.Manager() as manager:
+def spawn(worker: Callable[[int, Any, dict], None], args: Any, *, world: int = 2, backend: str = "gloo") -> dict:
+    """Run `worker(rank, args, results)` on `world` ranks (one GPU each with nccl); returns `results`.
+
+    The ranks meet through a file in a fresh temporary directory, not a TCP port: two benchmarks
+    (or a benchmark and a test) running at once cannot collide."""
+    with mp.Manager() as manager, tempfile.TemporaryDirectory(prefix="simplefsdp-bench-") as tmp:
         results = manager.dict()
-        mp.spawn(_rank, args=(world, port, backend, worker, args, results), nprocs=world, join=True)
+        store = os.path.join(tmp, "store")
+        mp.spawn(_rank, args=(world, store, backend, worker, args, results), nprocs=world, join=True)
         return dict(results)

@@ -110,7 +110,7 @@ def main() -> None:
     if args.save_code:
         Path(args.save_code).mkdir(parents=True, exist_ok=True)
     print(f"2 gloo ranks, FULL_SHARD fp32, {args.layers} blocks, dim {args.dim}, batch {args.batch}x{args.seq}")
-    results = spawn(_worker, args, world=2, port=args.port)
+    results = spawn(_worker, args, world=2)
     if args.save_code:
         print(f"wrote inductor's code to {args.save_code}")
         return

@@ -18,14 +18,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 import statistics
 import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
+from _harness import spawn
 
 import simplefsdp
 from simplefsdp.calibrate import measure, profile_from
@@ -80,17 +79,12 @@ def _measure(name: str, steps: int) -> float:
     return statistics.median(times)
 
 
-def _worker(rank: int, world: int, port: int, steps: int, results: dict) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+def _worker(rank: int, steps: int, results: dict) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        calibration = measure(device=torch.device("cpu"))
-        measured = {name: _measure(name, steps) for name in CONFIGS}
-        if rank == 0:
-            results.update(calibration=calibration, measured=measured)
-    finally:
-        dist.destroy_process_group()
+    calibration = measure(device=torch.device("cpu"))
+    measured = {name: _measure(name, steps) for name in CONFIGS}
+    if rank == 0:
+        results.update(calibration=calibration, measured=measured)
 
 
 def _predict(name: str, profile: DeviceProfile) -> float:
@@ -112,12 +106,8 @@ def _predict(name: str, profile: DeviceProfile) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--port", type=int, default=29533)
     args = parser.parse_args()
-    with mp.Manager() as manager:
-        results = manager.dict()
-        mp.spawn(_worker, args=(2, args.port, args.steps, results), nprocs=2, join=True)
-        results = dict(results)
+    results = spawn(_worker, args.steps, world=2)
     profile = profile_from(results["calibration"], name="cpu-calibrated")
     print(f"calibrated profile: {profile}")
     print("\n| configuration | measured (median) | predicted | error |")

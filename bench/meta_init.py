@@ -10,12 +10,11 @@ time (the largest), far below the full model.
 from __future__ import annotations
 
 import argparse
-import os
 import resource
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from _harness import spawn
 
 import simplefsdp
 from simplefsdp.models import Transformer, TransformerArgs
@@ -25,9 +24,8 @@ def _peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
-def _worker(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+def _worker(rank: int, args: argparse.Namespace, results: dict) -> None:
+    world = dist.get_world_size()
     model_args = TransformerArgs(
         vocab_size=args.vocab, dim=args.dim, n_layers=args.layers, n_heads=16, ffn_dim=4 * args.dim, max_seq_len=64
     )
@@ -49,7 +47,6 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
                 flush=True,
             )
         dist.barrier()
-    dist.destroy_process_group()
 
 
 def main() -> None:
@@ -57,14 +54,13 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--dim", type=int, default=1024)
     parser.add_argument("--vocab", type=int, default=32000)
-    parser.add_argument("--port", type=int, default=29533)
     args = parser.parse_args()
     print(
         "| rank | full model | this rank's shards | largest temporary full parameter "
         "| peak RSS growth | growth / full |"
     )
     print("|---|---|---|---|---|---|")
-    mp.spawn(_worker, args=(2, args.port, args), nprocs=2, join=True)
+    spawn(_worker, args, world=2)
 
 
 if __name__ == "__main__":

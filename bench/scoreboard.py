@@ -351,7 +351,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")  # see simplefsdp/train/launch.py's note
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    results = spawn(_worker, args, world=world, port=args.port, backend=args.backend)
+    results = spawn(_worker, args, world=world, backend=args.backend)
     profile = results.pop("profile")
     rows = {}
     for name in args.rows:

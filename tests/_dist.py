@@ -82,11 +82,9 @@ class RankPool:
                 else:
                     os.environ[key] = value
 
-    def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
-        if not self._procs:
-            self._start()
-        for task_queue in self._tasks:
-            task_queue.put((fn, args, kwargs))
+    def _collect(self, fn: Callable[..., Any]) -> dict[int, tuple[bool, Any]]:
+        """Each rank's (ok, value) for the task just queued; fewer entries if a rank failed and the
+        others did not answer within the grace period."""
         outcomes: dict[int, tuple[bool, Any]] = {}
         deadline = time.monotonic() + self.timeout_s
         while len(outcomes) < self.world_size:
@@ -100,12 +98,25 @@ class RankPool:
                 if failed:
                     break
                 dead = {i: p.exitcode for i, p in enumerate(self._procs) if not p.is_alive()}
-                self.close()
                 raise TimeoutError(
                     f"{fn.__name__} did not finish on ranks {sorted(set(range(self.world_size)) - set(outcomes))} "
                     f"within {self.timeout_s:.0f}s (exited ranks and codes: {dead})"
                 ) from None
             outcomes[rank] = (ok, value)
+        return outcomes
+
+    def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
+        if not self._procs:
+            self._start()
+        for task_queue in self._tasks:
+            task_queue.put((fn, args, kwargs))
+        try:
+            outcomes = self._collect(fn)
+        except BaseException:
+            # Interrupted (the test's own timeout, Ctrl-C) or timed out: ranks may be stuck in the
+            # task; the next test must not queue behind them.
+            self.close(kill=True)
+            raise
         failures = {rank: value for rank, (ok, value) in outcomes.items() if not ok}
         if failures:
             self.close()  # a failed collective can leave the group unusable: start afresh next time
@@ -116,13 +127,14 @@ class RankPool:
             )
         return [outcomes[rank][1] for rank in range(self.world_size)]
 
-    def close(self) -> None:
-        """Ask every rank to leave (they destroy the group together), then reap; kill any that hang."""
-        for task_queue in self._tasks if self._procs else []:
+    def close(self, *, kill: bool = False) -> None:
+        """Ask every rank to leave (they destroy the group together), then reap; kill any that hang
+        (`kill`: all of them at once, for ranks known to be stuck)."""
+        for task_queue in self._tasks if self._procs and not kill else []:
             with contextlib.suppress(Exception):
                 task_queue.put(None)
         for proc in self._procs:
-            proc.join(timeout=30)
+            proc.join(timeout=0 if kill else 30)
             if proc.is_alive():
                 proc.kill()
                 proc.join()

@@ -25,9 +25,11 @@ def small_w64():
     return result, time.perf_counter() - started
 
 
-def test_world_64_eight_blocks_within_a_minute(small_w64):
+def test_world_64_eight_blocks(small_w64):
     result, seconds = small_w64
-    assert seconds < 60, f"dry run took {seconds:.1f}s"
+    # a guard against a pathological slowdown, not a speed target: about 10 s alone on a 2-core
+    # machine, several times that on a loaded one (the README's dry-run times are measured by hand)
+    assert seconds < 300, f"dry run took {seconds:.1f}s"
     assert result.traced_blocks == (8,)
     assert not result.extrapolated
     assert 0 < result.exposed_s < result.step_s

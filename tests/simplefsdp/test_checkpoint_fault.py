@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 import time
@@ -17,6 +16,7 @@ from pathlib import Path
 import pytest
 import safetensors.torch
 import torch
+import torch.distributed as dist
 
 REPO = Path(__file__).resolve().parents[2]
 WORKER = "tests.simplefsdp._ckpt_worker"
@@ -62,10 +62,11 @@ def test_kill_9_mid_step_under_torchrun_resumes_bitwise(tmp_path):
         assert torch.equal(resumed[name], value), name
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+def _held_store() -> dist.TCPStore:
+    """A rendezvous store on a port the OS picks, held by this process for the whole test: the
+    ranks join it as clients (`TORCHELASTIC_USE_AGENT_STORE`, as torchrun's agent does), so no
+    other process can take the port between choosing and using it."""
+    return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
 
 
 def _is_stopped(pid: int) -> bool:
@@ -88,7 +89,9 @@ def test_vanished_rank_fails_the_others_within_the_timeout(tmp_path, where, expe
     `save_checkpoint`'s barrier (naming the checkpoint and the missing rank) or from the gloo
     collective of the backward (the process group's timeout) -- never hang."""
     timeout_s = 3.0
-    env = _env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE="2")
+    store = _held_store()
+    env = _env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store.port), WORLD_SIZE="2")
+    env["TORCHELASTIC_USE_AGENT_STORE"] = "True"
     arguments = ["--root", str(tmp_path / "ckpt"), "--out", str(tmp_path / "out"), "--steps", "3"]
     arguments += ["--fault", f"1:1:STOP:{where}", "--timeout-s", str(timeout_s)]
     ranks = [
@@ -117,4 +120,6 @@ def test_vanished_rank_fails_the_others_within_the_timeout(tmp_path, where, expe
             proc.wait()
     assert ranks[0].returncode != 0, output[-4000:]
     assert re.search(expected, output), output[-4000:]
-    assert timeout_s - 0.5 <= waited <= timeout_s + 15, waited  # measured: 4-5 s
+    # measured: 4-5 s; the upper bound is a generous guard against a hang (the shared machine can
+    # stall a process for seconds), the lower one says rank 0 did not give up before the timeout
+    assert timeout_s - 0.5 <= waited <= timeout_s + 60, waited

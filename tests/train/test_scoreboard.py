@@ -29,7 +29,6 @@ PREDICTED = {"no-passes", "ours", "ours-zero2", "auto@0.2"}  # simplefsdp's comp
 
 def test_scoreboard_runs_end_to_end(tmp_path):
     command = [sys.executable, str(SCRIPT), "--tiny", "--rows", ",".join(ROWS), "--out", str(tmp_path)]
-    command += ["--port", "29533"]
     done = subprocess.run(command, capture_output=True, text=True, timeout=600, check=False)
     assert done.returncode == 0, done.stderr
     document = json.loads((tmp_path / "scoreboard.json").read_text())
