@@ -8,6 +8,7 @@ one plain process too, on a plain model.
 
 from __future__ import annotations
 
+import json
 import pickle
 import shutil
 from pathlib import Path
@@ -154,6 +155,12 @@ def _flip_byte(path: Path) -> None:
     path.write_bytes(bytes(data))
 
 
+def _number_as_entry(path: Path) -> None:
+    document = json.loads(path.read_text())
+    document["files"]["train_state.json"] = 5
+    path.write_text(json.dumps(document))
+
+
 @pytest.mark.parametrize(
     ("damage", "target", "expected"),
     [
@@ -162,6 +169,7 @@ def _flip_byte(path: Path) -> None:
         (_flip_byte, METADATA_NAME, r"\.metadata: SHA-256 differs"),
         (Path.unlink, "train_state.json", r"train_state\.json: missing"),
         (lambda p: p.write_text("{not json"), "manifest.json", r"manifest\.json: unreadable"),
+        (_number_as_entry, "manifest.json", r"manifest\.json: not a simplefsdp-checkpoint manifest"),
     ],
 )
 def test_corrupt_checkpoint_is_detected_with_optional_fallback(tmp_path, damage, target, expected):

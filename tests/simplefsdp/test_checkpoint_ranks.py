@@ -1,0 +1,46 @@
+"""Sharded checkpoints on 2 gloo ranks, a small model: the ranks decide together.
+
+- One rank's stale directory listing does not change the manifest (before: the ranks split the
+  hashing by their own listings, which then disagreed: a file went unhashed or unlisted), and a
+  file one rank cannot hash fails the save on every rank (before: the others hung).
+
+The rank functions are in `_ckpt_ranks.py`; a hang fails within `ranks2`'s lowered timeout.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from tests.simplefsdp import _ckpt_ranks as ckpt_ranks
+
+POOL_TIMEOUT_S = 150.0  # per test; the checkpoint barriers give up after ckpt_ranks.TIMEOUT
+
+
+@pytest.fixture
+def pool(ranks2, monkeypatch):
+    monkeypatch.setattr(ranks2, "timeout_s", POOL_TIMEOUT_S)
+    return ranks2
+
+
+@pytest.mark.parametrize(("name", "rank"), [("train_state.json", 1), ("__1_0.distcp", 0)])
+def test_the_manifest_lists_what_is_on_disk_whatever_one_rank_sees(pool, tmp_path, name, rank):
+    """On `rank`, the listing of the unfinished checkpoint lacks `name`, a file the other rank
+    wrote: the manifest still lists every file on disk, and the checkpoint loads verified."""
+    results = pool.run(ckpt_ranks.save_with_stale_listing, str(tmp_path), name=name, rank=rank)
+    listed, on_disk, step = results[0]
+    assert results[1] == results[0]
+    assert listed == on_disk
+    assert step == 1
+
+
+def test_a_file_one_rank_cannot_hash_fails_the_save_on_every_rank(pool, tmp_path):
+    """Rank 1 hashes __0_0.distcp for the manifest (rank 0 wrote it) and cannot open it: every rank
+    raises `CheckpointError` naming the file and the rank, and the checkpoint is never committed."""
+    results = pool.run(ckpt_ranks.save_with_unreadable_file, str(tmp_path), name="__0_0.distcp", rank=1)
+    assert results[0] == results[1]
+    message, listed = results[0]
+    assert message.startswith(f"cannot write the manifest of {tmp_path / 'step_000000002.tmp'}"), message
+    assert re.search(r"__0_0\.distcp: unreadable .*Permission denied.*\(seen by rank 1\)", message), message
+    assert listed == ["step_000000001"]
