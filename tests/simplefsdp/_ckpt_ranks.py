@@ -120,3 +120,25 @@ def save_with_unreadable_file(root: str, *, name: str, rank: int) -> tuple[str, 
     except checkpoint.CheckpointError as err:
         return str(err), [p.name for p in checkpoint.list_checkpoints(root)]
     return "saved", [p.name for p in checkpoint.list_checkpoints(root)]
+
+
+def _params(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {fqn: ckpt.full(p) for fqn, p in model.named_parameters()}
+
+
+def load_with_unreadable_file(root: str, *, name: str, rank: int) -> tuple[int, tuple[str, ...], bool]:
+    """Save steps 1 and 2; on `rank` only, `name` of step 2 cannot be opened; load the newest good one.
+
+    Returns (the step loaded, what was skipped, whether the parameters are step 1's)."""
+    model, optimizer = build()
+    train_step(model, optimizer, seed=1)
+    checkpoint.save_checkpoint(root, step=1, model=model, optimizer=optimizer, timeout=TIMEOUT)
+    at_step_1 = _params(model)
+    train_step(model, optimizer, seed=2)
+    newest = checkpoint.save_checkpoint(root, step=2, model=model, optimizer=optimizer, timeout=TIMEOUT)
+    fresh, fresh_optimizer = build()
+    fault = _unreadable(newest / name) if dist.get_rank() == rank else contextlib.nullcontext()
+    with fault:
+        loaded = checkpoint.load_checkpoint(root, model=fresh, optimizer=fresh_optimizer, timeout=TIMEOUT)
+    restored = _params(fresh)
+    return loaded.step, loaded.skipped, all(torch.equal(restored[k], v) for k, v in at_step_1.items())

@@ -3,6 +3,9 @@
 - One rank's stale directory listing does not change the manifest (before: the ranks split the
   hashing by their own listings, which then disagreed: a file went unhashed or unlisted), and a
   file one rank cannot hash fails the save on every rank (before: the others hung).
+- A file of the newest checkpoint that one rank alone cannot read makes every rank fall back to
+  the same older checkpoint, with the same reason (before: the ranks loaded different checkpoints
+  or hung in mismatched collectives).
 
 The rank functions are in `_ckpt_ranks.py`; a hang fails within `ranks2`'s lowered timeout.
 """
@@ -44,3 +47,24 @@ def test_a_file_one_rank_cannot_hash_fails_the_save_on_every_rank(pool, tmp_path
     assert message.startswith(f"cannot write the manifest of {tmp_path / 'step_000000002.tmp'}"), message
     assert re.search(r"__0_0\.distcp: unreadable .*Permission denied.*\(seen by rank 1\)", message), message
     assert listed == ["step_000000001"]
+
+
+# Who reads what, 2 ranks: each rank reads .metadata and train_state.json to load; the hashing
+# verification splits the sorted file names (.metadata, __0_0.distcp, __1_0.distcp,
+# train_state.json) between the ranks, so rank 1 alone hashes __0_0.distcp and train_state.json.
+@pytest.mark.parametrize(
+    ("name", "rank"),
+    [
+        (".metadata", 1),  # read by every rank, hashed by rank 0: rank 1 fails reading it
+        ("train_state.json", 0),  # read by every rank, hashed by rank 1: rank 0 fails reading it
+        ("__0_0.distcp", 1),  # hashed by rank 1 only: rank 1 fails hashing it
+    ],
+)
+def test_a_file_one_rank_cannot_read_makes_every_rank_fall_back(pool, tmp_path, name, rank):
+    results = pool.run(ckpt_ranks.load_with_unreadable_file, str(tmp_path), name=name, rank=rank)
+    assert results[0] == results[1], "the ranks loaded different checkpoints or skipped for different reasons"
+    step, skipped, params_of_step_1 = results[0]
+    assert (step, params_of_step_1) == (1, True)
+    assert len(skipped) == 1
+    assert skipped[0].startswith(str(tmp_path / "step_000000002"))
+    assert re.search(rf"{re.escape(name)}: .*Permission denied.*\(seen by rank {rank}\)", skipped[0]), skipped[0]
