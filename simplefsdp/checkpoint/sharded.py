@@ -177,7 +177,7 @@ def save_checkpoint(
     if optimizer is not None:
         optim = flatten_optimizer(unwrap_compiled(model), optimizer)
         tensors.update(optim.tensors)
-        optimizer_json = {"param_groups": optim.param_groups, "scalars": optim.scalars}
+        optimizer_json = {"param_groups": optim.param_groups, "scalars": optim.scalars, "layouts": optim.layouts}
     writer = dcp.FileSystemWriter(tmp, single_file_per_rank=True, sync_files=True)
     with _single_process_quietly():
         dcp.save(tensors, storage_writer=writer, no_dist=not sync.is_distributed())
@@ -299,7 +299,10 @@ def load_checkpoint(
     if optimizer is not None:
         if document["optimizer"] is None:
             missing.append("optimizer state: the checkpoint was saved without an optimizer")
-        optim_tensors, optim_unexpected = allocate_targets(unwrap_compiled(model), optimizer, metadata)
+        layouts = (document["optimizer"] or {}).get("layouts")
+        optim_tensors, optim_unexpected = allocate_targets(
+            unwrap_compiled(model), optimizer, metadata, layouts=layouts, source=chosen
+        )
         unexpected += optim_unexpected
     if mismatched or (strict and (missing or unexpected)):
         raise StateDictMismatchError(chosen, missing=missing, unexpected=unexpected, mismatched=mismatched)

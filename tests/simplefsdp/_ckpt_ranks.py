@@ -21,6 +21,7 @@ from unittest import mock
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor, Replicate
 
 import simplefsdp
 from simplefsdp import checkpoint
@@ -142,3 +143,44 @@ def load_with_unreadable_file(root: str, *, name: str, rank: int) -> tuple[int, 
         loaded = checkpoint.load_checkpoint(root, model=fresh, optimizer=fresh_optimizer, timeout=TIMEOUT)
     restored = _params(fresh)
     return loaded.step, loaded.skipped, all(torch.equal(restored[k], v) for k, v in at_step_1.items())
+
+
+def _describe(value: Any) -> tuple:
+    """What must survive a checkpoint of one optimizer state entry, the value aside."""
+    if isinstance(value, DTensor):
+        return ("DTensor", value.dtype, tuple(value.shape), tuple(value.placements), value.device)
+    if isinstance(value, torch.Tensor):
+        return ("Tensor", value.dtype, tuple(value.shape), value.device)
+    return (type(value).__name__, value)
+
+
+def optimizer_state_roundtrip(root: str, *, optimizer: str) -> tuple[dict, dict, list[str]]:
+    """Step, save, load into a fresh model and optimizer. Returns each state entry described before
+    the save and after the load (by "<fqn>.<name>"), and the entries whose values differ."""
+    model, opt = build(optimizer)
+    train_step(model, opt, seed=1)
+    checkpoint.save_checkpoint(root, step=1, model=model, optimizer=opt, timeout=TIMEOUT)
+    fresh, fresh_opt = build(optimizer)
+    checkpoint.load_checkpoint(root, model=fresh, optimizer=fresh_opt, timeout=TIMEOUT)
+    described, values = [], []
+    for m, o in ((model, opt), (fresh, fresh_opt)):
+        names = {id(p): fqn for fqn, p in m.named_parameters()}
+        state = {f"{names[id(p)]}.{k}": v for p, entries in o.state.items() for k, v in entries.items()}
+        described.append({key: _describe(v) for key, v in state.items()})
+        values.append({key: ckpt.full(v) if isinstance(v, torch.Tensor) else v for key, v in state.items()})
+    before, after = values
+    differ = [k for k, v in before.items() if k not in after or not torch.equal(torch.as_tensor(v), after[k])]
+    return described[0], described[1], differ
+
+
+def save_state_unlike_parameter(root: str) -> str:
+    """Save with a DTensor optimizer state entry laid out unlike its parameter; the error message."""
+    model, optimizer = build()
+    train_step(model, optimizer, seed=1)
+    weight = dict(model.named_parameters())["linear.weight"]  # the sharded DTensor (the attribute is gathered)
+    optimizer.state[weight]["replicated"] = weight.detach().redistribute(placements=[Replicate()])
+    try:
+        checkpoint.save_checkpoint(root, step=1, model=model, optimizer=optimizer, timeout=TIMEOUT)
+    except ValueError as err:
+        return str(err)
+    return "saved"

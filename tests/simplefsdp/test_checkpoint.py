@@ -20,8 +20,8 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 
 from simplefsdp import checkpoint
-from simplefsdp.checkpoint import manifest, sharded
-from simplefsdp.checkpoint.safe_reader import METADATA_NAME, SafeFileSystemReader
+from simplefsdp.checkpoint import manifest, optim_state, sharded
+from simplefsdp.checkpoint.safe_reader import METADATA_NAME, SafeFileSystemReader, read_metadata
 from tests.simplefsdp import _ckpt as ckpt
 
 STEPS, STOP = 5, 3  # resume: STOP steps, save, fresh processes, load, STEPS - STOP steps
@@ -255,3 +255,43 @@ def test_pickled_objects_are_refused_by_the_reader(tmp_path):
     assert not marker.exists()
     dcp.load({"obj": None}, checkpoint_id=tmp_path / "raw", no_dist=True)  # torch's FileSystemReader
     assert marker.read_text() == "ran"
+
+
+def _without_layouts(path: Path) -> None:
+    """Make `path` look saved before optimizer state layouts were recorded (manifest rewritten)."""
+    state = json.loads((path / "train_state.json").read_text())
+    del state["optimizer"]["layouts"]
+    (path / "train_state.json").write_text(json.dumps(state))
+    manifest.write_manifest(path, step=1)
+
+
+def test_checkpoint_without_recorded_layouts_still_loads(tmp_path):
+    model, optimizer = _plain_model()
+    _without_layouts(checkpoint.save_checkpoint(tmp_path, step=1, model=model, optimizer=optimizer))
+    fresh, fresh_optimizer = _plain_model()
+    with torch.no_grad():
+        for p in fresh.parameters():
+            p.zero_()
+    fresh_optimizer.state.clear()
+    checkpoint.load_checkpoint(tmp_path, model=fresh, optimizer=fresh_optimizer)
+    saved, restored = optimizer.state_dict()["state"], fresh_optimizer.state_dict()["state"]
+    for index, state in saved.items():
+        for key, value in state.items():
+            assert torch.equal(restored[index][key], value), (index, key)
+
+
+def test_plain_state_is_allocated_on_the_cpu_or_its_parameters_device(tmp_path):
+    """Adam's `step` lives on the CPU whatever its parameter's device (unless capturable or fused),
+    other state with its parameter. With parameters on the meta device (a device other than the
+    CPU on a machine without an accelerator), the load targets follow the recorded layouts."""
+    path = _save(tmp_path, 1)
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 2))
+    optimizer = torch.optim.AdamW(model.parameters())
+    metadata = read_metadata(path)
+    layouts = {key: "cpu" if key.endswith(".step") else "device" for key in metadata.state_dict_metadata}
+    targets, unexpected = optim_state.allocate_targets(model, optimizer, metadata, layouts=layouts, source=path)
+    assert unexpected == []
+    assert {key: t.device.type for key, t in targets.items()} == {
+        key: "cpu" if key.endswith(".step") else "meta" for key in layouts if key.startswith("optim.")
+    }

@@ -1,4 +1,5 @@
-"""Sharded checkpoints on 2 gloo ranks, a small model: the ranks decide together.
+"""Sharded checkpoints on 2 gloo ranks, a small model: the ranks decide together, and optimizer
+state comes back as it was saved.
 
 - One rank's stale directory listing does not change the manifest (before: the ranks split the
   hashing by their own listings, which then disagreed: a file went unhashed or unlisted), and a
@@ -6,6 +7,8 @@
 - A file of the newest checkpoint that one rank alone cannot read makes every rank fall back to
   the same older checkpoint, with the same reason (before: the ranks loaded different checkpoints
   or hung in mismatched collectives).
+- Every optimizer state entry keeps its type, placements, dtype, shape, device and value (before:
+  AdamW's plain `step` of a 0-dim parameter came back a DTensor).
 
 The rank functions are in `_ckpt_ranks.py`; a hang fails within `ranks2`'s lowered timeout.
 """
@@ -68,3 +71,20 @@ def test_a_file_one_rank_cannot_read_makes_every_rank_fall_back(pool, tmp_path, 
     assert len(skipped) == 1
     assert skipped[0].startswith(str(tmp_path / "step_000000002"))
     assert re.search(rf"{re.escape(name)}: .*Permission denied.*\(seen by rank {rank}\)", skipped[0]), skipped[0]
+
+
+@pytest.mark.parametrize("optimizer", sorted(ckpt_ranks.OPTIMIZERS))
+def test_optimizer_state_comes_back_as_it_was_saved(pool, tmp_path, optimizer):
+    """Type, placements, dtype, shape, device and value of every state entry, on every rank. The
+    0-dim `gain` has a plain 0-dim `step` and 0-dim DTensor state of the same shape."""
+    for before, after, differ in pool.run(ckpt_ranks.optimizer_state_roundtrip, str(tmp_path), optimizer=optimizer):
+        assert before["gain.step"][0] == "Tensor"
+        assert {v[0] for k, v in before.items() if k.startswith("gain.")} == {"Tensor", "DTensor"}
+        assert after == before
+        assert differ == []
+
+
+def test_dtensor_state_laid_out_unlike_its_parameter_is_refused_at_save(pool, tmp_path):
+    for message in pool.run(ckpt_ranks.save_state_unlike_parameter, str(tmp_path)):
+        assert re.search(r"optimizer state optim\.linear\.weight\.replicated is a DTensor \(6, 4\)", message), message
+        assert "laid out like its parameter only" in message
