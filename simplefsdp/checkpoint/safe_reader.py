@@ -55,6 +55,8 @@ def read_metadata(directory: Path) -> Metadata:
         metadata = _MetadataUnpickler(io.BytesIO(path.read_bytes())).load()
     except FileNotFoundError:
         raise CheckpointCorruptError(directory, [f"{METADATA_NAME}: missing"]) from None
+    except OSError as err:
+        raise CheckpointCorruptError(directory, [f"{METADATA_NAME}: unreadable ({err})"]) from err
     except (pickle.UnpicklingError, EOFError, AttributeError, ValueError, TypeError) as err:
         raise CheckpointCorruptError(directory, [f"{METADATA_NAME}: {err}"]) from err
     if not isinstance(metadata, Metadata):

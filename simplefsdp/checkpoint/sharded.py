@@ -177,7 +177,7 @@ def save_checkpoint(
     if optimizer is not None:
         optim = flatten_optimizer(unwrap_compiled(model), optimizer)
         tensors.update(optim.tensors)
-        optimizer_json = {"param_groups": optim.param_groups, "scalars": optim.scalars}
+        optimizer_json = {"param_groups": optim.param_groups, "scalars": optim.scalars, "layouts": optim.layouts}
     writer = dcp.FileSystemWriter(tmp, single_file_per_rank=True, sync_files=True)
     with _single_process_quietly():
         dcp.save(tensors, storage_writer=writer, no_dist=not sync.is_distributed())
@@ -225,19 +225,36 @@ def _check_model(metadata: Metadata, tensors: dict[str, torch.Tensor]) -> tuple[
     return missing, unexpected, mismatched
 
 
-def _first_good(candidates: list[Path]) -> tuple[Path, Metadata, dict, list[str]]:
-    """Collective: the newest candidate whose bytes verify, its metadata and train state; what was skipped.
+def _read_locally(candidate: Path) -> tuple[Metadata | None, dict | None, list[str]]:
+    """This rank's reads of `candidate`'s DCP metadata and train state, and the problems it met."""
+    try:
+        return read_metadata(candidate), read_train_state(candidate), []
+    except CheckpointCorruptError as err:
+        return None, None, err.problems
 
-    Raises `CheckpointCorruptError` for the last candidate if none verifies.
+
+def _first_good(candidates: list[Path]) -> tuple[Path, Metadata, dict, list[str]]:
+    """Collective: the newest candidate that is good on every rank, its metadata and train state; what was skipped.
+
+    Raises `CheckpointCorruptError` for the last candidate if none is good.
+
+    [Note: every rank takes the same checkpoint]
+    A candidate is good iff its bytes verify (`verify_manifest`, itself agreed) and every rank can
+    read its metadata and train state; each rank reads them itself, as the load will, and the ranks
+    merge their problems (`sync.agree_on_problems`) before anyone decides. So a file one rank alone
+    cannot read makes all ranks skip the candidate, with the same reason, naming that rank; were the
+    verdicts local, that rank would fall back alone and the ranks would load different checkpoints,
+    or hang in collectives that no longer match. Checking on rank 0 alone and broadcasting would
+    miss faults only another rank meets.
     """
     skipped = []
     for candidate in candidates:
         problems = verify_manifest(candidate)
         if not problems:
-            try:
-                return candidate, read_metadata(candidate), read_train_state(candidate), skipped
-            except CheckpointCorruptError as err:
-                problems = err.problems
+            metadata, document, local = _read_locally(candidate)
+            problems = sync.agree_on_problems(local)
+            if not problems:
+                return candidate, metadata, document, skipped
         if candidate is candidates[-1]:
             raise CheckpointCorruptError(candidate, problems)
         logger.warning("checkpoint %s is not usable, falling back to an older one: %s", candidate, problems)
@@ -282,7 +299,10 @@ def load_checkpoint(
     if optimizer is not None:
         if document["optimizer"] is None:
             missing.append("optimizer state: the checkpoint was saved without an optimizer")
-        optim_tensors, optim_unexpected = allocate_targets(unwrap_compiled(model), optimizer, metadata)
+        layouts = (document["optimizer"] or {}).get("layouts")
+        optim_tensors, optim_unexpected = allocate_targets(
+            unwrap_compiled(model), optimizer, metadata, layouts=layouts, source=chosen
+        )
         unexpected += optim_unexpected
     if mismatched or (strict and (missing or unexpected)):
         raise StateDictMismatchError(chosen, missing=missing, unexpected=unexpected, mismatched=mismatched)

@@ -13,6 +13,15 @@ watches the ranks, so a survivor waits in the next collective. Two things bound 
   is torch's `monitored_barrier`, whose error names the ranks that did not arrive; we re-raise it
   as a `RankTimeoutError` saying what was being done. Other backends have no monitored barrier:
   there the plain barrier is bounded by the group's own timeout.
+
+[Note: deciding together]
+One rank's view of a shared filesystem can differ from the others': a permission or I/O error on
+one host, an NFS directory cache that does not show another node's file yet. A decision each rank
+takes from its own reads -- which checkpoint to load, which files a manifest covers -- then
+differs between ranks, and ranks that disagree call different collectives and hang. So such a
+decision is taken on merged inputs: each rank reports what it saw (`all_gather_objects`,
+`agree_on_problems`) and every rank applies the same rule to the same report. A read that can fail
+on one rank alone reports the failure as a problem instead of raising past the next collective.
 """
 
 from __future__ import annotations
@@ -26,6 +35,7 @@ from simplefsdp.checkpoint.errors import RankTimeoutError
 
 __all__ = [
     "DEFAULT_TIMEOUT",
+    "agree_on_problems",
     "all_gather_objects",
     "broadcast_object",
     "is_distributed",
@@ -81,3 +91,24 @@ def broadcast_object(value: Any) -> Any:
     box = [value]
     dist.broadcast_object_list(box, src=0)
     return box[0]
+
+
+def agree_on_problems(problems: list[str]) -> list[str]:
+    """Every rank's `problems` merged: the same sorted list on every rank, [] iff no rank had one.
+
+    A problem that not every rank reported names the ranks that did ("... (seen by rank 1)"), so
+    a fault one host alone meets (a permission, a stale cache, a failing disk) says where it is.
+    """
+    seen_by: dict[str, list[int]] = {}
+    for reporter, part in enumerate(all_gather_objects(list(problems))):
+        for problem in part:
+            seen_by.setdefault(problem, []).append(reporter)
+    everyone = list(range(world_size()))
+    return sorted(
+        problem if ranks == everyone else f"{problem} (seen by {_ranks_text(ranks)})"
+        for problem, ranks in seen_by.items()
+    )
+
+
+def _ranks_text(ranks: list[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"

@@ -8,6 +8,7 @@ one plain process too, on a plain model.
 
 from __future__ import annotations
 
+import json
 import pickle
 import shutil
 from pathlib import Path
@@ -19,8 +20,8 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 
 from simplefsdp import checkpoint
-from simplefsdp.checkpoint import manifest, sharded
-from simplefsdp.checkpoint.safe_reader import METADATA_NAME, SafeFileSystemReader
+from simplefsdp.checkpoint import manifest, optim_state, sharded
+from simplefsdp.checkpoint.safe_reader import METADATA_NAME, SafeFileSystemReader, read_metadata
 from tests.simplefsdp import _ckpt as ckpt
 
 STEPS, STOP = 5, 3  # resume: STOP steps, save, fresh processes, load, STEPS - STOP steps
@@ -154,6 +155,12 @@ def _flip_byte(path: Path) -> None:
     path.write_bytes(bytes(data))
 
 
+def _number_as_entry(path: Path) -> None:
+    document = json.loads(path.read_text())
+    document["files"]["train_state.json"] = 5
+    path.write_text(json.dumps(document))
+
+
 @pytest.mark.parametrize(
     ("damage", "target", "expected"),
     [
@@ -162,6 +169,7 @@ def _flip_byte(path: Path) -> None:
         (_flip_byte, METADATA_NAME, r"\.metadata: SHA-256 differs"),
         (Path.unlink, "train_state.json", r"train_state\.json: missing"),
         (lambda p: p.write_text("{not json"), "manifest.json", r"manifest\.json: unreadable"),
+        (_number_as_entry, "manifest.json", r"manifest\.json: not a simplefsdp-checkpoint manifest"),
     ],
 )
 def test_corrupt_checkpoint_is_detected_with_optional_fallback(tmp_path, damage, target, expected):
@@ -247,3 +255,43 @@ def test_pickled_objects_are_refused_by_the_reader(tmp_path):
     assert not marker.exists()
     dcp.load({"obj": None}, checkpoint_id=tmp_path / "raw", no_dist=True)  # torch's FileSystemReader
     assert marker.read_text() == "ran"
+
+
+def _without_layouts(path: Path) -> None:
+    """Make `path` look saved before optimizer state layouts were recorded (manifest rewritten)."""
+    state = json.loads((path / "train_state.json").read_text())
+    del state["optimizer"]["layouts"]
+    (path / "train_state.json").write_text(json.dumps(state))
+    manifest.write_manifest(path, step=1)
+
+
+def test_checkpoint_without_recorded_layouts_still_loads(tmp_path):
+    model, optimizer = _plain_model()
+    _without_layouts(checkpoint.save_checkpoint(tmp_path, step=1, model=model, optimizer=optimizer))
+    fresh, fresh_optimizer = _plain_model()
+    with torch.no_grad():
+        for p in fresh.parameters():
+            p.zero_()
+    fresh_optimizer.state.clear()
+    checkpoint.load_checkpoint(tmp_path, model=fresh, optimizer=fresh_optimizer)
+    saved, restored = optimizer.state_dict()["state"], fresh_optimizer.state_dict()["state"]
+    for index, state in saved.items():
+        for key, value in state.items():
+            assert torch.equal(restored[index][key], value), (index, key)
+
+
+def test_plain_state_is_allocated_on_the_cpu_or_its_parameters_device(tmp_path):
+    """Adam's `step` lives on the CPU whatever its parameter's device (unless capturable or fused),
+    other state with its parameter. With parameters on the meta device (a device other than the
+    CPU on a machine without an accelerator), the load targets follow the recorded layouts."""
+    path = _save(tmp_path, 1)
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 2))
+    optimizer = torch.optim.AdamW(model.parameters())
+    metadata = read_metadata(path)
+    layouts = {key: "cpu" if key.endswith(".step") else "device" for key in metadata.state_dict_metadata}
+    targets, unexpected = optim_state.allocate_targets(model, optimizer, metadata, layouts=layouts, source=path)
+    assert unexpected == []
+    assert {key: t.device.type for key, t in targets.items()} == {
+        key: "cpu" if key.endswith(".step") else "meta" for key in layouts if key.startswith("optim.")
+    }
