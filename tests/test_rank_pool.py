@@ -9,6 +9,8 @@ import torch.distributed as dist
 
 from tests._dist import RankPool
 
+pytestmark = pytest.mark.slow  # see tests/_tiers.py
+
 
 def _stuck_on_rank_1(seconds: float) -> int:
     if dist.get_rank() == 1:

@@ -77,6 +77,7 @@ def test_memory_counts_this_ranks_shards(small_w64):
     )
 
 
+@pytest.mark.slow
 def test_extrapolation_matches_a_full_trace(small_w64):
     full, _ = small_w64
     guessed = dry_run("small-8", world_size=64, device="h100", max_traced_blocks=2)
@@ -88,6 +89,7 @@ def test_extrapolation_matches_a_full_trace(small_w64):
     assert guessed.peak_bytes == pytest.approx(full.peak_bytes, rel=0.01)
 
 
+@pytest.mark.slow
 def test_llama3_405b_at_world_1024():
     result = dry_run("llama3-405b", world_size=1024, device="h100")
     assert result.extrapolated

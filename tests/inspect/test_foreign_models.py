@@ -42,6 +42,7 @@ def _hf_resnet():
         (_hf_resnet, [f"resnet.encoder.stages.{i}" for i in range(2)], simplefsdp.MixedPrecisionPolicy()),
     ],
 )
+@pytest.mark.slow
 def test_foreign_model_buckets_and_schedule(factory, blocks, mp_policy):
     result = dry_run(factory, world_size=8, device="h100", mp_policy=mp_policy)
     report = result.report

@@ -55,6 +55,7 @@ def test_full_overlap_prefetches(fake_world8, tmp_path):
     assert len(_gathers(graphs.forward)) > 1, "smaller buckets hide behind the previous one's compute"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("overlap", [0.0, 1.0])
 def test_a_tighter_budget_gives_smaller_buckets_within_it(fake_world8, tmp_path, overlap):
     device = _profile_file(tmp_path, overlap=overlap)
@@ -72,6 +73,7 @@ def test_a_tighter_budget_gives_smaller_buckets_within_it(fake_world8, tmp_path,
     assert counts[0.05] > counts[4.0], counts
 
 
+@pytest.mark.slow
 def test_the_plan_is_a_function_of_graph_profile_and_budget(fake_world8, tmp_path):
     config = BucketConfig(plan="auto", device=_profile_file(tmp_path, overlap=0.5), memory_budget=0.5)
     first, _ = _compile(config)

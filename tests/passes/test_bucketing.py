@@ -59,6 +59,7 @@ def test_default_block_plan_one_bucket_per_block_plus_rest(fake_world8, world):
     assert bwd["reduce_scatter"] == L8.n_layers + 1
 
 
+@pytest.mark.slow
 def test_manual_pattern_plan(fake_world8):
     patterns = ("tok_embeddings", "layers.*", "norm+output")
     forward, backward = _bucketed_graphs("FULL_SHARD", BucketConfig(plan="patterns", patterns=patterns), L8)
@@ -184,6 +185,7 @@ def _reordered_graphs(fake_world8, reorder: ReorderConfig):
     return record_step(model, lambda compiled: compiled(tokens).sum(), graph_pass=FsdpPass(config)).post
 
 
+@pytest.mark.slow
 def test_prefetch_depth_and_memory_budget(fake_world8):
     """Depth 2 launches two gathers ahead; a budget smaller than one bucket leaves no prefetch and
     waits every reduce-scatter before the next one launches."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import pathlib
 
+import pytest
 from torch import fx
 
 from simplefsdp._compat import CustomGraphPass, CustomInferenceAwareGraphPass
@@ -81,6 +82,7 @@ def test_models_of_one_class_with_different_passes_compile_apart(fake_world8):
     assert pass_of(ours).merged > 0
 
 
+@pytest.mark.slow
 def test_pass_cache_key_is_its_configuration():
     """The `uuid()` that keys inductor's caches depends on the configuration, groups, rank and code:
     equal in two fresh processes (no ids, no hash seeds), different when the pass would do something
@@ -128,6 +130,7 @@ def _pass_key_of(copy: pathlib.Path) -> str:
     return key
 
 
+@pytest.mark.slow
 def test_pass_cache_key_covers_the_pass_source(tmp_path):
     """An edit to the pass's or the kernels' source (an upgrade that forgot to bump anything) changes
     the key, so inductor's caches never serve a graph an older pass wrote."""

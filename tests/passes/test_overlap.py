@@ -20,6 +20,7 @@ from simplefsdp.models import Transformer, TransformerArgs
 from simplefsdp.passes.collectives import collective_counts, is_all_gather, is_reduce_scatter, is_wait
 from simplefsdp.passes.fsdp_pass import FsdpPass
 from simplefsdp.passes.install import pass_of
+from tests._tiers import fast_first
 
 L8 = TransformerArgs(vocab_size=67, dim=32, n_layers=8, n_heads=4, ffn_dim=88, max_seq_len=16)
 # At world 64 every dim-0 below 64 shards unevenly, and DTensor then splits each gradient into 64
@@ -28,7 +29,7 @@ L8 = TransformerArgs(vocab_size=67, dim=32, n_layers=8, n_heads=4, ffn_dim=88, m
 L8_WIDE = dataclasses.replace(L8, dim=64, ffn_dim=128)
 
 
-@pytest.fixture(scope="module", params=[8, 64])
+@pytest.fixture(scope="module", params=fast_first([8, 64]))
 def fake_world(request):
     init_fake_process_group(rank=0, world_size=request.param)
     yield request.param

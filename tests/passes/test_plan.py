@@ -50,6 +50,7 @@ def candidate_lists(draw):
 
 @settings(max_examples=200, deadline=None)
 @given(candidates=candidate_lists(), cap=st.integers(1, 6000))
+@pytest.mark.slow
 def test_cap_plan_invariants(candidates, cap):
     buckets = plan_by_cap(candidates, cap_bytes=cap)
     check_plan(candidates, buckets)

@@ -41,6 +41,7 @@ def _assert_same_state(actual: ckpt.Run, expected: ckpt.Run) -> None:
         assert torch.equal(got, value), f"{name} differs"
 
 
+@pytest.mark.slow
 def test_resume_is_bitwise_for_every_strategy(ranks2, tmp_path):
     """STEPS uninterrupted == STOP steps, save, new processes, load, the rest: bitwise in fp32.
 
@@ -64,6 +65,7 @@ def test_resume_is_bitwise_for_every_strategy(ranks2, tmp_path):
     assert no_rng.params["tok_embeddings.weight"].ne(uninterrupted[0].params["tok_embeddings.weight"]).any()
 
 
+@pytest.mark.slow
 def test_load_reshards(ranks2, ranks4, tmp_path):
     """Saved on 4 ranks FULL_SHARD; loaded on 2 ranks (FULL_SHARD, SHARD_GRAD_OP, NO_SHARD), on
     4 ranks as HYBRID_SHARD (2x2) and as FULL_SHARD over dp 2 x tensor parallel 2: the full

@@ -18,6 +18,8 @@ import safetensors.torch
 import torch
 import torch.distributed as dist
 
+pytestmark = pytest.mark.slow  # see tests/_tiers.py
+
 REPO = Path(__file__).resolve().parents[2]
 WORKER = "tests.simplefsdp._ckpt_worker"
 STEPS, KILLED_AT = 5, 3

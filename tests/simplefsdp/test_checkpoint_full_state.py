@@ -102,6 +102,7 @@ def test_torch_files_are_loaded_with_weights_only(tmp_path):
         checkpoint.load_full_state_dict(tmp_path / "bad.safetensors")
 
 
+@pytest.mark.slow
 def test_peak_memory_is_bounded(tmp_path):
     """Peak memory growth per rank (fresh processes, see `_ckpt_memory.py`) against the full model
     (72 MiB, largest parameter 4 MiB, 8 MiB files). Gathering the model on rank 0, or reading the file

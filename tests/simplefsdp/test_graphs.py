@@ -10,6 +10,7 @@ import simplefsdp
 from simplefsdp.inspect.record import StepGraphs, record_step
 from simplefsdp.models import Transformer, TransformerArgs
 from simplefsdp.passes.collectives import collective_counts, derives_from_all_gather, find_collectives
+from tests._tiers import fast_first
 
 ARGS = TransformerArgs(vocab_size=67, dim=32, n_layers=2, n_heads=4, ffn_dim=88, max_seq_len=16)
 N_PARAMS = len(list(Transformer(ARGS).parameters()))
@@ -39,7 +40,7 @@ EXPECTED = {
 }
 
 
-@pytest.mark.parametrize("strategy", list(EXPECTED))
+@pytest.mark.parametrize("strategy", fast_first(EXPECTED))
 def test_collectives_per_strategy(fake_world8, strategy):
     graphs = _trace(strategy)
     fwd, bwd = collective_counts(graphs.forward_pre), collective_counts(graphs.backward_pre)
@@ -57,7 +58,7 @@ def test_collectives_per_strategy(fake_world8, strategy):
 
 @pytest.mark.parametrize(
     ("strategy", "reshards"),
-    [("FULL_SHARD", True), ("HYBRID_SHARD", True), ("SHARD_GRAD_OP", False), ("HYBRID_SHARD_ZERO2", False)],
+    fast_first([("FULL_SHARD", True), ("HYBRID_SHARD", True), ("SHARD_GRAD_OP", False), ("HYBRID_SHARD_ZERO2", False)]),
 )
 def test_reshard_after_forward_saves_no_gathered_weight(fake_world8, strategy, reshards):
     """ZeRO-3: the forward keeps no all-gathered weight alive for backward; ZeRO-2 keeps them."""
@@ -68,6 +69,7 @@ def test_reshard_after_forward_saves_no_gathered_weight(fake_world8, strategy, r
         assert len(saved_gathered) >= N_NEEDED_IN_BACKWARD
 
 
+@pytest.mark.slow
 def test_explicit_reshard_after_forward_overrides_strategy(fake_world8):
     mesh = init_device_mesh("cpu", (8,))
     model = simplefsdp.wrap(Transformer(ARGS), mesh, strategy="SHARD_GRAD_OP", reshard_after_forward=True)
@@ -77,7 +79,7 @@ def test_explicit_reshard_after_forward_overrides_strategy(fake_world8):
     assert not any(derives_from_all_gather(n) for n in graphs.saved_for_backward(pre=True))
 
 
-@pytest.mark.parametrize("strategy", ["FULL_SHARD", "HYBRID_SHARD"])
+@pytest.mark.parametrize("strategy", fast_first(["FULL_SHARD", "HYBRID_SHARD"]))
 def test_mixed_precision_collective_dtypes(fake_world8, strategy):
     """bf16 all-gathers (forward and backward re-gather), fp32 reductions, fp32 masters and grads."""
     policy = simplefsdp.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -90,6 +92,7 @@ def test_mixed_precision_collective_dtypes(fake_world8, strategy):
     assert {c.dtype for c in reductions} == {torch.float32}
 
 
+@pytest.mark.slow
 def test_reduce_dtype_defaults_to_param_dtype(fake_world8):
     """As in FSDP2: with only param_dtype set, gradients are reduced in param_dtype."""
     graphs = _trace("FULL_SHARD", simplefsdp.MixedPrecisionPolicy(param_dtype=torch.bfloat16))

@@ -17,6 +17,7 @@ def _work(fail_with: type[Exception] | None, device: torch.device) -> tuple[int,
     return dist.get_rank(), dist.get_world_size(), device.type
 
 
+@pytest.mark.slow
 def test_rank_zero_result_and_failures():
     assert run_on_ranks(functools.partial(_work, None), nproc=2, device_type="cpu") == (0, 2, "cpu")
     with pytest.raises(RankFailedError, match=r"(?s)rank 1 failed:.*RuntimeError: rank 1 cannot go on"):

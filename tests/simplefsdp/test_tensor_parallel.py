@@ -39,6 +39,7 @@ def _assert_matches_reference(result: _tp.TrainResult) -> None:
         torch.testing.assert_close(value, ref_params[fqn], rtol=1e-5, atol=1e-6, msg=fqn)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", ["eager", "aot_eager", "inductor"])
 def test_fsdp_tp_2x2_matches_one_process(ranks4, backend):
     """(dp 2, tp 2), sequence parallel, FULL_SHARD: losses, global gradient norms (clip_grad_norm_)
@@ -48,6 +49,7 @@ def test_fsdp_tp_2x2_matches_one_process(ranks4, backend):
     _assert_matches_reference(results[0])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", ["eager", "inductor"])
 def test_hybrid_shard_tp_3d_matches_one_process(ranks4, backend):
     """HYBRID_SHARD on (replicate 2, shard 1, tp 2): the replicas' all-reduce over dp composed with TP."""
@@ -70,6 +72,7 @@ def _tp_graphs(world, strategy, *, passes: bool):
     return model, forward, backward, groups
 
 
+@pytest.mark.slow
 def test_dp8_tp8_graph_buckets_only_dp_collectives(fake_world64):
     """dp 8 x tp 8 (world 64): the FSDP collectives, and only they, run on the dp group, bucketed per
     block (L + 1 gathers forward, L + 1 re-gathers and L + 1 reduce-scatters backward); the TP

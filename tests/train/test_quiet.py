@@ -11,6 +11,7 @@ import sys
 import pytest
 
 from simplefsdp.train.quiet import BENIGN, drop_benign_torch_warnings
+from tests._tiers import fast_first
 
 _SPEAK = """
 import logging, sys, warnings
@@ -23,7 +24,7 @@ logging.getLogger("simplefsdp.x").error("an error")
 """
 
 
-@pytest.mark.parametrize(("rank", "verbose"), [(0, False), (1, False), (1, True)])
+@pytest.mark.parametrize(("rank", "verbose"), fast_first([(1, False), (0, False), (1, True)]))
 def test_other_ranks_show_errors_only_unless_verbose(rank, verbose):
     run = subprocess.run(
         [sys.executable, "-c", _SPEAK.format(rank=rank, verbose=verbose)], capture_output=True, text=True, check=True

@@ -8,6 +8,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.slow  # see tests/_tiers.py
+
 SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "scoreboard.py"
 # the rows the scoreboard compares, one of each kind: "ours-auto" and torch's SHARD_GRAD_OP row are
 # left out to save compiles; "auto@0.2" is one point of the auto plan's memory frontier

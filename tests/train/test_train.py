@@ -21,6 +21,8 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.slow  # see tests/_tiers.py
+
 TINY = ["--n-layers", "2", "--dim", "32", "--n-heads", "4", "--ffn-dim", "88", "--seq-len", "16", "--lr", "1e-2"]
 
 
