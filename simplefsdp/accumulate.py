@@ -10,15 +10,17 @@ Inside `no_sync`, a parameter is gathered from a detached copy of its shard, so 
 path back to the shard and no reduce-scatter runs. The full tensor is passed through `_Tap`, an
 identity whose backward hands the gradient to a per-parameter "sink": a leaf tensor of the full
 shape with all strides 0 (one element of storage), so autograd accumulates the unsharded
-gradient in `sink.grad` across micro-batches for free. Leaving `no_sync` moves `sink.grad` into
-`pending`. The next forward outside `no_sync` gathers normally and passes the full tensor through
-`_AddPending`, whose backward adds the pending sum to the gradient before the one reduction.
+gradient in `sink.grad`, in the reduction dtype, across micro-batches for free. Leaving `no_sync`
+moves `sink.grad` into `pending`. The next forward outside `no_sync` gathers normally and passes
+the full tensor through `_AddPending`, whose backward adds the pending sum to the gradient before
+the one reduction, in the reduction dtype (see [Note: the deferred sum meets the gradient in
+reduce_dtype] in `gather.py`).
 
 Costs: while deferring, each rank holds every trainable parameter's full gradient in the
 reduction dtype (as DDP and FSDP do in `no_sync`), on top of the sharded model. The default --
 a plain backward per micro-batch -- reduces every time instead: more communication, only sharded
-gradients in memory. With a lower-precision `param_dtype`, the pending fp32 sum is added to the
-last micro-batch's gradient in fp32 and rounded once to `param_dtype` before the reduction.
+gradients in memory. With `param_dtype` narrower than `reduce_dtype`, the forward that takes the
+pending sums gathers in `reduce_dtype` (see the note in `gather.py`).
 
 Compiled, the deferring flag and the presence of pending gradients are guarded: a model compiles
 at most three variants (deferring, reducing with pending gradients, plain) and then reuses them.
@@ -87,7 +89,8 @@ class _Tap(torch.autograd.Function):
 
 
 class _AddPending(torch.autograd.Function):
-    """Identity on `full`; its gradient gets `pending` added (in `pending`'s dtype, rounded once)."""
+    """Identity on `full`; its gradient gets `pending` added, in the wider of the two dtypes (the
+    caller gives `full` a dtype at least as wide as `pending`'s, so nothing is rounded here)."""
 
     @staticmethod
     def forward(ctx, full: torch.Tensor, pending: torch.Tensor) -> torch.Tensor:
@@ -97,7 +100,7 @@ class _AddPending(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         (pending,) = ctx.saved_tensors
-        return (grad.to(pending.dtype) + pending).to(grad.dtype), None
+        return grad + pending, None
 
 
 def tap(full: torch.Tensor, sink: torch.Tensor) -> torch.Tensor:

@@ -18,6 +18,7 @@ from simplefsdp.gather import OWNER_KEY
 from simplefsdp.inspect.record import record_step
 from simplefsdp.models import Transformer
 from simplefsdp.passes.collectives import collective_counts, is_reduce_scatter
+from tests.simplefsdp import _accumulate as accumulate
 from tests.simplefsdp import _compose as compose
 from tests.simplefsdp import _training as training
 from tests.simplefsdp.test_training import FP32_TOL
@@ -252,3 +253,33 @@ def test_materialize_errors(fake_world8):
     assert torch.equal(reset_scale.offset, torch.zeros(16))
     with simplefsdp.sharded_parameters(reset_scale):
         assert torch.equal(reset_scale.gain.full_tensor(), torch.ones(16))
+
+
+NO_SYNC_BACKENDS = ["eager", "simplefsdp_aot_eager"]
+_AB = accumulate.HEADS
+
+
+# Tolerance of the mixed-precision no_sync comparison: the emulated reference performs the same bf16
+# computations on the same values, so the gradients match up to the reduction's order of additions
+# (2 ranks: one fp32 rounding, 1 ulp relative); 4 fp32 ulps relative, with an absolute 4 ulps of
+# the largest gradient for elements near zero. Rounding the fp32 sum to bf16 moves elements by up
+# to 2**-9 relative (the negative control checks that this is visible).
+def _mp_tol(reference: torch.Tensor) -> dict[str, float]:
+    eps = torch.finfo(torch.float32).eps
+    return {"rtol": 4 * eps, "atol": 4 * eps * reference.abs().max().item()}
+
+
+@pytest.mark.parametrize("backend", NO_SYNC_BACKENDS)
+def test_no_sync_sums_in_reduce_dtype(ranks2, backend):
+    """param_dtype=bf16, reduce_dtype=fp32: the micro-batches' bf16 gradients are summed in fp32 and
+    the sum is reduced in fp32, never rounded to bf16 on the way (as FSDP2 accumulates in reduce_dtype)."""
+    bf16, fp32 = torch.bfloat16, torch.float32
+    schedule = [accumulate.Backward(_AB, sync=False), accumulate.Backward(_AB, sync=True), accumulate.Check()]
+    (ours,) = ranks2.run(accumulate.run_simplefsdp, backend, schedule, param_dtype=bf16, reduce_dtype=fp32)[0]
+    want = accumulate.emulate_policy(2, world=2, param_dtype=bf16, reduce_dtype=fp32)
+    rounded = accumulate.emulate_policy(2, world=2, param_dtype=bf16, reduce_dtype=fp32, round_sums_to=bf16)
+    for fqn, value in want.items():
+        assert ours[fqn].dtype == fp32
+        torch.testing.assert_close(ours[fqn], value, **_mp_tol(value), msg=lambda m, fqn=fqn: f"{fqn}: {m}")
+    # negative control: the comparison tells a sum rounded to bf16 before the reduction apart
+    assert not all(torch.allclose(rounded[fqn], value, **_mp_tol(value)) for fqn, value in want.items())
