@@ -63,11 +63,16 @@ class ZeroGrad:
 
 
 @dataclasses.dataclass(frozen=True)
+class ReducePending:
+    """`simplefsdp.reduce_pending(model)`; nothing in the reference, whose sums are in `.grad` already."""
+
+
+@dataclasses.dataclass(frozen=True)
 class Check:
     """Record every parameter's full gradient (None where it has none)."""
 
 
-Action = Backward | ZeroGrad | Check
+Action = Backward | ZeroGrad | ReducePending | Check
 Grads = dict[str, torch.Tensor | None]
 
 
@@ -92,6 +97,7 @@ def _run(
     *,
     rows: Callable[[torch.Tensor], torch.Tensor],
     defer: Callable[[bool], contextlib.AbstractContextManager[None]],
+    reduce_pending: Callable[[], None],
 ) -> list[Grads]:
     """Play `schedule`: `rows(x)` is the part of a global micro-batch this process computes on,
     `defer(sync)` the context a micro-batch's forward and backward run in."""
@@ -104,6 +110,8 @@ def _run(
             index += 1
         elif isinstance(action, ZeroGrad):
             _zero_grad(model, opt, action.how)
+        elif isinstance(action, ReducePending):
+            reduce_pending()
         else:
             checks.append(_grads(model))
     return checks
@@ -127,6 +135,7 @@ def run_simplefsdp(
         schedule,
         rows=lambda x: x.chunk(world)[rank],
         defer=lambda sync: simplefsdp.no_sync(model, enabled=not sync),
+        reduce_pending=lambda: simplefsdp.reduce_pending(model),
     )
 
 
@@ -139,6 +148,7 @@ def run_reference(schedule: list[Action]) -> list[Grads]:
         schedule,
         rows=lambda x: x,
         defer=lambda sync: contextlib.nullcontext(),
+        reduce_pending=lambda: None,
     )
 
 
