@@ -4,7 +4,7 @@ model = simplefsdp.wrap(model, mesh)   # parameters become sharded DTensors
 model = torch.compile(model)           # all-gathers / reduce-scatters are traced into the graph
 """
 
-from simplefsdp.accumulate import no_sync
+from simplefsdp.accumulate import no_sync, reduce_pending
 from simplefsdp.activation_checkpoint import checkpoint_blocks
 from simplefsdp.materialize import materialize
 from simplefsdp.mixed_precision import MixedPrecisionPolicy
@@ -24,6 +24,7 @@ __all__ = [
     "checkpoint_blocks",
     "materialize",
     "no_sync",
+    "reduce_pending",
     "sharded_parameters",
     "wrap",
 ]

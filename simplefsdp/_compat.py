@@ -107,6 +107,12 @@ all_gather_single = getattr(dist, "all_gather_single", dist.all_gather_into_tens
 reduce_scatter_single = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
 
 
+def version_counter(tensor: torch.Tensor) -> int:
+    """How many in-place writes `tensor` has seen (its autograd version counter): a `.zero_()` or an
+    optimizer's `zero_grad(set_to_none=False)` bumps it. `Tensor._version`: checked on 2.13."""
+    return tensor._version
+
+
 def root_mesh(mesh):
     """The mesh `mesh` was sliced from (itself when it is a root). `DeviceMesh._get_root_mesh`: checked on 2.13."""
     return mesh._get_root_mesh()
@@ -274,4 +280,5 @@ __all__ = [
     "tree_map_only",
     "unwrap_compiled",
     "use_rank_aware_cache_keys",
+    "version_counter",
 ]

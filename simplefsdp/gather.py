@@ -7,7 +7,7 @@
 2. gather over the data-parallel mesh (a tensor-parallel parameter: over dp only, then re-read as
    the TP DTensor its module expects, `tensor_parallel.py`) -- inside `no_sync`, from a detached
    shard, the gradient tapped into a sink instead of reduced; after it, with the deferred sum
-   added to the gradient (`accumulate.py`);
+   added to the gradient (`accumulate.py`, and the note below);
 3. a tied parameter: keep the value for the rest of this forward.
 
 Under torch.compile it is traced, so each gather becomes, in the graph:
@@ -33,11 +33,28 @@ checkpoint is used rather than a selective policy: every op in the region is che
 recomputed, and a `context_fn` would print a warning on every compile. In eager mode the
 checkpoint is skipped: the module's own autograd nodes save the full weight anyway, so eager
 gives the same numbers with ZeRO-2 memory, and compile is where resharding happens.
+
+[Note: the deferred sum meets the gradient in reduce_dtype]
+A `no_sync` sum is kept in the reduction dtype and must join the gradient before the reduction
+without passing through `param_dtype` (FSDP2 likewise accumulates in `reduce_dtype`). The cast to
+`reduce_dtype` happens inside the gather's backward, after the gradient reached it in the dtype of
+the gathered tensor -- and autograd casts a gradient to the dtype of the tensor it belongs to --
+so a sum added to a bf16 gathered tensor's gradient would be rounded to bf16 first. The
+synchronizing forward therefore gathers a parameter with a pending sum in the wider of
+`param_dtype` and `reduce_dtype`, adds the sum to that tensor's gradient (`add_pending`), and casts
+the tensor to `param_dtype` for the compute: the same values as a `param_dtype` gather (casting
+commutes with the gather), and in backward the gradient is widened before the sum joins it. The
+addition and the cast sit inside the checkpointed region, so resharding after forward still saves
+only the shard -- except for a tensor-parallel parameter, whose sum joins at the TP level, after
+the region (the partitioner may then save its compute-dtype copy in that step). Cost: with
+`param_dtype` narrower than `reduce_dtype`, that forward's gathers of those parameters move
+`reduce_dtype` bytes (once per optimizer step); otherwise nothing changes.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Literal
 
 import torch
@@ -49,7 +66,7 @@ from simplefsdp import accumulate, tied
 from simplefsdp.accumulate import Accumulation
 from simplefsdp.tensor_parallel import TensorParallelLayout
 
-__all__ = ["OWNER_KEY", "GatherSpec", "gather_full"]
+__all__ = ["OWNER_KEY", "GatherSpec", "gather_full", "reduce_pending"]
 
 OWNER_KEY = "simplefsdp_param"  # node.meta["custom"] key naming the parameter a collective serves
 
@@ -101,12 +118,19 @@ def gather_full(param: DTensor, spec: GatherSpec) -> torch.Tensor:
         full = accumulate.tap(_gather(param.detach(), spec), state.sinks[spec.fqn])
     else:
         pending = state.take_pending(spec.fqn) if state is not None else None
-        full = _gather(param, spec)
-        if pending is not None:
-            full = accumulate.add_pending(full, pending)
+        full = _gather(param, spec, pending)
     if spec.tied_key is not None:
         tied.remember(spec.tied_key, full)
     return full
+
+
+def reduce_pending(param: DTensor, spec: GatherSpec, pending: torch.Tensor) -> None:
+    """Reduce the deferred sum `pending` (this rank's unreduced full gradient, in `spec.reduce_dtype`)
+    into `param.grad`, for a parameter the synchronizing forward did not use: zeros back-propagated
+    through a gather that adds the sum, so the reduction is the one a used parameter's backward runs
+    (same collective, dtype, placements and reduce op). All ranks call it together."""
+    full = _gather(param, spec, pending)
+    full.backward(torch.zeros_like(full))
 
 
 def _accumulation(param: DTensor, spec: GatherSpec) -> Accumulation | None:
@@ -117,30 +141,47 @@ def _accumulation(param: DTensor, spec: GatherSpec) -> Accumulation | None:
     return spec.accumulation
 
 
-def _gather(param: DTensor, spec: GatherSpec) -> torch.Tensor:
+def _gather(param: DTensor, spec: GatherSpec, pending: torch.Tensor | None = None) -> torch.Tensor:
+    """`param` gathered; with a deferred sum `pending`, added to the gradient as [Note: the deferred
+    sum meets the gradient in reduce_dtype] says."""
     if spec.tp is None:
-        return _gather_dp(param, spec)
+        return _gather_dp(param, spec, pending)
+    if pending is not None:  # at the TP level, where a TP-replicated parameter's gradient is still partial over tp
+        return _adding(lambda wide: _gather(param, wide), param, spec, pending)
     return spec.tp.as_tensor_parallel(_gather_dp(spec.tp.dp_view(param), spec))
 
 
-def _gather_dp(param: DTensor, spec: GatherSpec) -> torch.Tensor:
-    """`param` (a DTensor on the dp mesh) gathered over it: the full local tensor."""
+def _adding(
+    gather: Callable[[GatherSpec], torch.Tensor], param: DTensor, spec: GatherSpec, pending: torch.Tensor
+) -> torch.Tensor:
+    """`gather(wide_spec)` -- gathering in the wider of the compute and the reduction dtype -- with
+    `pending` added to its gradient, cast to the compute dtype."""
+    compute = spec.param_dtype or param.dtype
+    wide = torch.promote_types(compute, spec.reduce_dtype or param.dtype)
+    return accumulate.add_pending(gather(dataclasses.replace(spec, param_dtype=wide)), pending).to(compute)
+
+
+def _gather_dp(param: DTensor, spec: GatherSpec, pending: torch.Tensor | None = None) -> torch.Tensor:
+    """`param` (a DTensor on the dp mesh) gathered over it: the full local tensor (with `pending`, see
+    [Note: the deferred sum meets the gradient in reduce_dtype])."""
     if not torch.compiler.is_compiling():
-        return _redistribute(param, spec)
+        return _redistribute(param, spec, pending)
     if spec.reshard_after_forward:
-        return checkpoint(_tagged_redistribute, param, spec, use_reentrant=False)
-    return _tagged_redistribute(param, spec)
+        return checkpoint(_tagged_redistribute, param, spec, pending, use_reentrant=False)
+    return _tagged_redistribute(param, spec, pending)
 
 
-def _tagged_redistribute(param: DTensor, spec: GatherSpec) -> torch.Tensor:
+def _tagged_redistribute(param: DTensor, spec: GatherSpec, pending: torch.Tensor | None) -> torch.Tensor:
     # Every node traced here -- the cast, the all-gather and its wait, and in backward the
     # reduction -- carries node.meta["custom"][OWNER_KEY] = spec.fqn, so graph passes know which
     # parameter (and so which block) a collective belongs to.
     with fx_traceback.annotate({OWNER_KEY: spec.fqn}):
-        return _redistribute(param, spec)
+        return _redistribute(param, spec, pending)
 
 
-def _redistribute(param: DTensor, spec: GatherSpec) -> torch.Tensor:
+def _redistribute(param: DTensor, spec: GatherSpec, pending: torch.Tensor | None) -> torch.Tensor:
+    if pending is not None:
+        return _adding(lambda wide: _redistribute(param, wide, None), param, spec, pending)
     full = param.redistribute(
         placements=spec.full_placements,
         forward_dtype=spec.param_dtype,

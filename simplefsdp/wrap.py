@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import logging
 from collections import Counter
@@ -17,7 +18,7 @@ from simplefsdp._compat import use_rank_aware_cache_keys
 from simplefsdp.accumulate import Accumulation, attach
 from simplefsdp.blocks import find_repeated_blocks, validate_patterns
 from simplefsdp.class_swap import user_class
-from simplefsdp.gather import GatherSpec, ReduceOp
+from simplefsdp.gather import GatherSpec, ReduceOp, reduce_pending
 from simplefsdp.mesh import resolve_mesh
 from simplefsdp.mixed_precision import MixedPrecisionPolicy
 from simplefsdp.parametrize import gather_on_access, is_wrapped_module
@@ -219,12 +220,18 @@ def _shard_parameters(model: nn.Module, params: dict[str, nn.Parameter], setting
             if param is None or not param.is_floating_point():
                 continue
             fqn = fqns[id(param)]
-            if id(param) not in sharded:
+            first = id(param) not in sharded
+            if first:
                 sharded[id(param)], layouts[id(param)] = _shard(param, settings.mesh, settings.strategy, fqn=fqn)
-                grad_dtype = settings.mp_policy.reduction_dtype(param.dtype)
-                settings.accumulation.add_parameter(fqn, sharded[id(param)], grad_dtype=grad_dtype)
             tied_key = f"{settings.wrap_id}/{fqn}" if holders[id(param)] > 1 else None
             specs[name] = _spec(param, settings, fqn=fqn, tied_key=tied_key, layout=layouts[id(param)])
+            if first:
+                settings.accumulation.add_parameter(
+                    fqn,
+                    sharded[id(param)],
+                    grad_dtype=specs[name].reduce_dtype,
+                    reduce=functools.partial(reduce_pending, sharded[id(param)], specs[name]),
+                )
         for name in specs:
             module._parameters[name] = sharded[id(module._parameters[name])]
         if specs:

@@ -1,9 +1,10 @@
 """Training runs the parity tests compare: a single-process reference, simplefsdp, FSDP2 and DDP.
 
 Every run trains the same small transformer (uneven vocabulary) from the same seed on the same
-token batches for `STEPS` AdamW steps and returns `(losses, full parameters)`. The distributed
-runs split each global batch evenly over the data-parallel ranks, so the mean of the ranks'
-mean losses is the reference's full-batch mean loss.
+token batches for `STEPS` optimizer steps (AdamW unless told) and returns `(losses, full
+parameters)`. The distributed runs split each global batch evenly over the data-parallel ranks, so
+the mean of the ranks' mean losses is the reference's full-batch mean loss. The mixed-precision
+reference (`train_policy_reference`) computes in one process what a policy makes the ranks do.
 """
 
 from __future__ import annotations
@@ -88,6 +89,42 @@ def train_reference(optimizer: str = "adamw-foreach") -> Result:
     return Result(losses, full_params(model))
 
 
+def train_policy_reference(
+    optimizer: str,
+    *,
+    world: int,
+    param_dtype: torch.dtype,
+    reduce_dtype: torch.dtype,
+    step: bool = True,
+    reduce: bool = True,
+) -> Result:
+    """One process, training as a mixed-precision policy says `world` data-parallel ranks do: each
+    rank's share of the batch runs with the fp32 master parameters cast to `param_dtype` (buffers
+    untouched, as the gather leaves them), its gradients are cast to `reduce_dtype` and averaged over
+    the ranks in `reduce_dtype`, the average is cast to fp32 and the optimizer steps the fp32
+    masters. Negative controls: `step=False` leaves the optimizer step out, `reduce=False` steps
+    with rank 0's own gradient (what training without the reduction would do on rank 0)."""
+    model = fresh_model()
+    opt = _optimizer(model, optimizer)
+    losses = []
+    for tokens in batches():
+        per_rank, total = [], 0.0
+        for rows in tokens.chunk(world):
+            compute = {fqn: p.detach().to(param_dtype).requires_grad_() for fqn, p in model.named_parameters()}
+            loss = loss_fn(lambda x, compute=compute: torch.func.functional_call(model, compute, (x,)), rows)
+            loss.backward()
+            per_rank.append({fqn: t.grad.to(reduce_dtype) for fqn, t in compute.items()})
+            total += loss.item()
+        for fqn, p in model.named_parameters():
+            reduced = sum(grads[fqn] for grads in per_rank) / world if reduce else per_rank[0][fqn]
+            p.grad = reduced.to(p.dtype)
+        if step:
+            opt.step()
+        opt.zero_grad()
+        losses.append(total / world)
+    return Result(losses, full_params(model))
+
+
 def _train_distributed(
     model: torch.nn.Module, step_fn: torch.nn.Module, optimizer: str = "adamw-foreach", reduce_op: str = "avg"
 ) -> Result:
@@ -147,7 +184,7 @@ def train_simplefsdp(
     return dataclasses.replace(result, collectives_merged=graph_pass.merged, collectives_moved=graph_pass.moved)
 
 
-def train_fsdp2(strategy: str, *, param_dtype=None, reduce_dtype=None) -> Result:
+def train_fsdp2(strategy: str, *, param_dtype=None, reduce_dtype=None, optimizer: str = "adamw-foreach") -> Result:
     """FSDP2 `fully_shard` per block and at the root (its recommended use), eager; DDP for NO_SHARD."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from torch.nn.parallel import DistributedDataParallel
@@ -156,13 +193,17 @@ def train_fsdp2(strategy: str, *, param_dtype=None, reduce_dtype=None) -> Result
     model = fresh_model()
     if parsed is simplefsdp.ShardingStrategy.NO_SHARD:
         ddp = DistributedDataParallel(model)
-        return _train_distributed(model, ddp)
+        return _train_distributed(model, ddp, optimizer)
     mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    # FSDP2 casts the floating-point inputs of every fully_shard module, simplefsdp those of the
+    # wrapped root only: the blocks' inputs (the hidden state, already in param_dtype, and the fp32
+    # rope tables) are left as they come, as simplefsdp leaves them
+    block_policy = dataclasses.replace(mp_policy, cast_forward_inputs=False)
     mesh = _mesh(parsed)
     for layer in model.layers:
-        fully_shard(layer, mesh=mesh, reshard_after_forward=parsed.reshard_after_forward, mp_policy=mp_policy)
+        fully_shard(layer, mesh=mesh, reshard_after_forward=parsed.reshard_after_forward, mp_policy=block_policy)
     fully_shard(model, mesh=mesh, reshard_after_forward=parsed.reshard_after_forward, mp_policy=mp_policy)
-    return _train_distributed(model, model)
+    return _train_distributed(model, model, optimizer)
 
 
 def tiny_bias_grads(backend: str) -> tuple[dict[str, torch.Tensor], int]:

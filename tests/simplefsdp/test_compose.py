@@ -18,6 +18,7 @@ from simplefsdp.gather import OWNER_KEY
 from simplefsdp.inspect.record import record_step
 from simplefsdp.models import Transformer
 from simplefsdp.passes.collectives import collective_counts, is_reduce_scatter
+from tests.simplefsdp import _accumulate as accumulate
 from tests.simplefsdp import _compose as compose
 from tests.simplefsdp import _training as training
 from tests.simplefsdp.test_training import FP32_TOL
@@ -174,7 +175,8 @@ def test_no_sync_defers_every_reduction(fake_world8):
     with CommDebugMode() as comm, simplefsdp.no_sync(model):
         model(tokens).sum().backward()
     assert set(map(str, comm.get_comm_counts())) == {"c10d_functional.all_gather_into_tensor"}
-    assert all(p.grad is None for p in model.parameters())
+    # nothing reduced: each `.grad` is the zeros its deferred sum lives with (dropped if cleared)
+    assert all(p.grad is not None and not p.grad.to_local().any() for p in model.parameters())
     with CommDebugMode() as comm:
         model(tokens).sum().backward()
     counts = {str(op): n for op, n in comm.get_comm_counts().items()}
@@ -187,6 +189,14 @@ def test_no_sync_needs_a_wrapped_model():
         simplefsdp.no_sync(torch.nn.Linear(2, 2)),
     ):
         pass
+    with pytest.raises(ValueError, match=r"reduce_pending\(\) needs the model simplefsdp.wrap\(\) returned; Linear"):
+        simplefsdp.reduce_pending(torch.nn.Linear(2, 2))
+
+
+def test_reduce_pending_outside_no_sync_only(fake_world8):
+    model = simplefsdp.wrap(torch.nn.Linear(2, 2))
+    with simplefsdp.no_sync(model), pytest.raises(RuntimeError, match=r"reduce_pending\(\) inside .*no_sync"):
+        simplefsdp.reduce_pending(model)
 
 
 def test_meta_init_materializes_shards_like_one_process(ranks2):
@@ -252,3 +262,96 @@ def test_materialize_errors(fake_world8):
     assert torch.equal(reset_scale.offset, torch.zeros(16))
     with simplefsdp.sharded_parameters(reset_scale):
         assert torch.equal(reset_scale.gain.full_tensor(), torch.ones(16))
+
+
+# [Note: what the no_sync tests compare]
+# Each schedule runs on 2 ranks (each on half of every micro-batch) and in one process on whole
+# micro-batches, where every backward adds to `.grad` as under DDP's no_sync; the gradients after
+# each synchronizing backward must agree: within FP32_TOL (the halves' sum is a different order),
+# and None exactly where the reference has None.
+NO_SYNC_BACKENDS = ["eager", "simplefsdp_aot_eager"]
+_AB, _A = accumulate.HEADS, ("a",)
+NO_SYNC_SCHEDULES = {
+    # head b is used by the first micro-batch only, then (next step) by the synchronizing one only
+    "left-out-of-last": [
+        accumulate.Backward(_AB, sync=False),
+        accumulate.Backward(_A, sync=True),
+        accumulate.Check(),
+        accumulate.ZeroGrad("optimizer"),
+        accumulate.Backward(_A, sync=False),
+        accumulate.Backward(_AB, sync=True),
+        accumulate.Check(),
+    ],
+    # every micro-batch deferred, then reduced on demand; the next step starts from nothing
+    "reduce-pending": [
+        accumulate.Backward(_AB, sync=False),
+        accumulate.Backward(_A, sync=False),
+        accumulate.ReducePending(),
+        accumulate.Check(),
+        accumulate.ZeroGrad("optimizer"),
+        accumulate.Backward(_A, sync=True),
+        accumulate.Check(),
+    ],
+    # a zero_grad between no_sync blocks (the next block's start drops the sums) ...
+    **{
+        f"zero-grad-{how}": [
+            accumulate.Backward(_AB, sync=False),
+            accumulate.ZeroGrad(how),
+            accumulate.Backward(_A, sync=False),
+            accumulate.Backward(_A, sync=True),
+            accumulate.Check(),
+        ]
+        for how in ("optimizer", "optimizer-in-place", "model")
+    },
+    # ... and right before the synchronizing micro-batch (its forward drops them)
+    "zero-grad-then-sync": [
+        accumulate.Backward(_AB, sync=False),
+        accumulate.ZeroGrad("optimizer-in-place"),
+        accumulate.Backward(_A, sync=True),
+        accumulate.Check(),
+    ],
+}
+
+
+@pytest.mark.parametrize("schedule", list(NO_SYNC_SCHEDULES))
+@pytest.mark.parametrize("backend", NO_SYNC_BACKENDS)
+def test_no_sync_matches_ddp_semantics(ranks2, backend, schedule):
+    """After each synchronizing backward, `.grad` holds every micro-batch's reduced gradient since the
+    last zero_grad, as DDP's sums in `.grad` would: also for a parameter the synchronizing micro-batch
+    does not use, nothing carried into the next step, and nothing from before a zero_grad."""
+    ours = ranks2.run(accumulate.run_simplefsdp, backend, NO_SYNC_SCHEDULES[schedule])[0]
+    want = accumulate.run_reference(NO_SYNC_SCHEDULES[schedule])
+    for check, (got, expected) in enumerate(zip(ours, want, strict=True)):
+        for fqn, value in expected.items():
+            where = f"check {check}, {fqn}"
+            if value is None:
+                assert got[fqn] is None, f"{where}: has a gradient, the reference has none"
+                continue
+            assert got[fqn] is not None, f"{where}: has no gradient after the synchronizing backward"
+            torch.testing.assert_close(got[fqn], value, **FP32_TOL, msg=lambda m, where=where: f"{where}: {m}")
+
+
+# Tolerance of the mixed-precision no_sync comparison: the emulated reference performs the same bf16
+# computations on the same values, so the gradients match up to the reduction's order of additions
+# (2 ranks: one fp32 rounding, 1 ulp relative); 4 fp32 ulps relative, with an absolute 4 ulps of
+# the largest gradient for elements near zero. Rounding the fp32 sum to bf16 moves elements by up
+# to 2**-9 relative (the negative control checks that this is visible).
+def _mp_tol(reference: torch.Tensor) -> dict[str, float]:
+    eps = torch.finfo(torch.float32).eps
+    return {"rtol": 4 * eps, "atol": 4 * eps * reference.abs().max().item()}
+
+
+@pytest.mark.parametrize("backend", NO_SYNC_BACKENDS)
+def test_no_sync_sums_in_reduce_dtype(ranks2, backend):
+    """param_dtype=bf16, reduce_dtype=fp32: the micro-batches' bf16 gradients are summed in fp32 and
+    the sum is reduced in fp32, never rounded to bf16 on the way (as FSDP2 accumulates in reduce_dtype)."""
+    bf16, fp32 = torch.bfloat16, torch.float32
+    schedule = [accumulate.Backward(_AB, sync=False), accumulate.Backward(_AB, sync=True), accumulate.Check()]
+    (ours,) = ranks2.run(accumulate.run_simplefsdp, backend, schedule, param_dtype=bf16, reduce_dtype=fp32)[0]
+    want = accumulate.emulate_policy(2, world=2, param_dtype=bf16, reduce_dtype=fp32)
+    rounded = accumulate.emulate_policy(2, world=2, param_dtype=bf16, reduce_dtype=fp32, round_sums_to=bf16)
+    for fqn, value in want.items():
+        assert ours[fqn].dtype == fp32
+        torch.testing.assert_close(ours[fqn], value, **_mp_tol(value), msg=lambda m, fqn=fqn: f"{fqn}: {m}")
+    # negative control: the comparison tells a sum rounded to bf16 before the reduction apart
+    assert not all(torch.allclose(rounded[fqn], value, **_mp_tol(value)) for fqn, value in want.items())
