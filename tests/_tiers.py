@@ -15,10 +15,10 @@ import pytest
 __all__ = ["fast_first"]
 
 
-def fast_first(values: Iterable[Any], *, fast: int = 1) -> list[Any]:
+def fast_first(values: Iterable[Any], *, fast: int = 1, rows: bool = False) -> list[Any]:
     """`values` for `pytest.mark.parametrize`: the first `fast` in the fast tier, the others marked
-    slow. A tuple is one row of several argument names, as `parametrize` reads it."""
+    slow. `rows=True` when each value is a tuple holding one value per argument name."""
     return [
-        value if i < fast else pytest.param(*(value if type(value) is tuple else (value,)), marks=pytest.mark.slow)
+        value if i < fast else pytest.param(*(value if rows else (value,)), marks=pytest.mark.slow)
         for i, value in enumerate(values)
     ]

@@ -51,6 +51,7 @@ def test_profile_file_errors_name_the_file_and_the_problem(tmp_path):
         cost.profile("tpu9")
 
 
+@pytest.mark.slow
 def test_quick_calibration_on_two_ranks_round_trips(tmp_path):
     out = tmp_path / "cpu.json"
     profile = calibrate(out=out, nproc=2, device_type="cpu", quick=True, name="test-cpu")

@@ -40,6 +40,7 @@ def _gathers(graph):
     return find_collectives(graph, kinds=["all_gather"])
 
 
+@pytest.mark.slow
 def test_no_overlap_means_no_prefetch_and_few_buckets(fake_world8, tmp_path):
     """A profile on which communication never runs beside compute: prefetching buys nothing, so the
     forward gathers in as few collectives as the cap allows, waited where they are launched."""
@@ -49,6 +50,7 @@ def test_no_overlap_means_no_prefetch_and_few_buckets(fake_world8, tmp_path):
     assert len(_gathers(graphs.forward)) == 1, "everything fits the default cap: one gather"
 
 
+@pytest.mark.slow
 def test_full_overlap_prefetches(fake_world8, tmp_path):
     graphs, graph_pass = _compile(BucketConfig(plan="auto", device=_profile_file(tmp_path, overlap=1.0)))
     assert graph_pass.reorders[0].budgets[0] > 0, "prefetch depth 1 chosen"

@@ -33,6 +33,7 @@ def _bucketed_graphs(strategy: str, config: BucketConfig, args: TransformerArgs 
     ).post
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["FULL_SHARD", "HYBRID_SHARD"])
 def test_one_bucket_per_kind_when_everything_fits(fake_world8, strategy):
     forward, backward = _bucketed_graphs(strategy, BucketConfig(plan="cap", cap_bytes=2**30))
@@ -48,6 +49,7 @@ def test_one_bucket_per_kind_when_everything_fits(fake_world8, strategy):
 L8 = TransformerArgs(vocab_size=67, dim=32, n_layers=8, n_heads=4, ffn_dim=88, max_seq_len=16)
 
 
+@pytest.mark.slow  # test_overlap.py checks the same plan through inductor, in the fast tier
 @pytest.mark.parametrize("world", [8])
 def test_default_block_plan_one_bucket_per_block_plus_rest(fake_world8, world):
     """L = 8 blocks: L + 1 all-gathers forward, L + 1 re-gathers and L + 1 reduce-scatters backward."""
@@ -67,6 +69,7 @@ def test_manual_pattern_plan(fake_world8):
     assert collective_counts(backward)["reduce_scatter"] == 1 + L8.n_layers + 1
 
 
+@pytest.mark.slow
 def test_collectives_carry_their_parameter_name(fake_world8):
     mesh = init_device_mesh("cpu", (8,))
     model = simplefsdp.wrap(Transformer(ARGS), mesh, passes=None)
@@ -84,6 +87,7 @@ def test_bad_bucket_config():
         BucketConfig(plan="patterns")
 
 
+@pytest.mark.slow
 def test_tiny_cap_changes_nothing(fake_world8):
     forward, backward = _bucketed_graphs("FULL_SHARD", BucketConfig(plan="cap", cap_bytes=1))
     assert len(find_fsdp_all_gathers(forward)) == N_PARAMS
@@ -118,6 +122,7 @@ def test_dependent_reductions_are_not_merged():
     assert [n.target for n in g.nodes if n.op == "call_function"].count(c10d.reduce_scatter_tensor.default) == 2
 
 
+@pytest.mark.slow
 def test_passes_off_leave_one_collective_per_parameter(fake_world8):
     mesh = init_device_mesh("cpu", (8,))
     model = simplefsdp.wrap(Transformer(ARGS), mesh, passes=None)
@@ -141,6 +146,7 @@ def test_auto_plan_on_a_real_graph_is_valid_and_deterministic(fake_world8):
     assert 1 <= counts[0][1] < N_PARAMS
 
 
+@pytest.mark.slow
 def test_model_inside_a_compiled_step(fake_world8):
     """Called from a larger compiled function, the wrapped model traces without a graph break
     (fullgraph=True); its pass runs when the compiling call is inside `active(model)`."""

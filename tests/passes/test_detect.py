@@ -13,7 +13,6 @@ from simplefsdp.inspect.record import record_step
 from simplefsdp.models import Transformer, TransformerArgs
 from simplefsdp.passes.collectives import collective_counts
 from simplefsdp.passes.detect import find_fsdp_all_gathers, find_fsdp_reductions
-from tests._tiers import fast_first
 
 ARGS = TransformerArgs(vocab_size=67, dim=32, n_layers=2, n_heads=4, ffn_dim=88, max_seq_len=16)
 N_PARAMS = len(list(Transformer(ARGS).parameters()))
@@ -28,7 +27,8 @@ def _post_grad(strategy: str, mp_policy=None):
     return record_step(model, lambda compiled: compiled(tokens).float().sum()).post
 
 
-@pytest.mark.parametrize("strategy", fast_first(["FULL_SHARD", "HYBRID_SHARD"]))
+@pytest.mark.slow  # every bucketing test in the fast tier detects first
+@pytest.mark.parametrize("strategy", ["FULL_SHARD", "HYBRID_SHARD"])
 def test_finds_every_parameter_gather_and_gradient_reduction(fake_world8, strategy):
     policy = simplefsdp.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     forward, backward = _post_grad(strategy, policy)
@@ -49,6 +49,7 @@ def test_finds_every_parameter_gather_and_gradient_reduction(fake_world8, strate
     assert find_fsdp_reductions(forward) == []
 
 
+@pytest.mark.slow
 def test_no_shard_has_only_all_reduces(fake_world8):
     forward, backward = _post_grad("NO_SHARD")
     assert find_fsdp_all_gathers(forward) == []

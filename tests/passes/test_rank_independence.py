@@ -30,7 +30,6 @@ from simplefsdp.passes import cost
 from simplefsdp.passes.collectives import is_wait, parse_collective
 from simplefsdp.passes.detect import find_fsdp_all_gathers, find_fsdp_reductions
 from simplefsdp.passes.fsdp_pass import BucketConfig, FsdpPass, PassConfig
-from tests._tiers import fast_first
 
 ARGS = TransformerArgs(vocab_size=67, dim=32, n_layers=3, n_heads=4, ffn_dim=88, max_seq_len=16)
 WIDE = dataclasses.replace(ARGS, dim=64, ffn_dim=128)  # world 64: only the vocabulary uneven (compiles fast)
@@ -121,7 +120,8 @@ def _as_rank(rank: int, case: Case) -> RankResult:
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("case", fast_first(CASES), ids=lambda c: f"{c.strategy}-world{c.world}-{c.plan}")
+@pytest.mark.slow
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c.strategy}-world{c.world}-{c.plan}")
 def test_first_and_last_rank_issue_the_same_collectives(case):
     with ProcessPoolExecutor(max_workers=2, mp_context=multiprocessing.get_context("spawn")) as pool:
         first, last = pool.map(_as_rank, [0, case.world - 1], [case] * 2)

@@ -18,7 +18,8 @@ import safetensors.torch
 import torch
 import torch.distributed as dist
 
-pytestmark = pytest.mark.slow  # see tests/_tiers.py
+# slow: see tests/_tiers.py; the timeout covers the subprocesses' own (300 s, 2 x 120 s)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
 
 REPO = Path(__file__).resolve().parents[2]
 WORKER = "tests.simplefsdp._ckpt_worker"

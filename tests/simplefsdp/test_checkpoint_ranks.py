@@ -21,30 +21,22 @@ import pytest
 
 from tests.simplefsdp import _ckpt_ranks as ckpt_ranks
 
-POOL_TIMEOUT_S = 150.0  # per test; the checkpoint barriers give up after ckpt_ranks.TIMEOUT
-
-
-@pytest.fixture
-def pool(ranks2, monkeypatch):
-    monkeypatch.setattr(ranks2, "timeout_s", POOL_TIMEOUT_S)
-    return ranks2
-
 
 @pytest.mark.parametrize(("name", "rank"), [("train_state.json", 1), ("__1_0.distcp", 0)])
-def test_the_manifest_lists_what_is_on_disk_whatever_one_rank_sees(pool, tmp_path, name, rank):
+def test_the_manifest_lists_what_is_on_disk_whatever_one_rank_sees(ranks2, tmp_path, name, rank):
     """On `rank`, the listing of the unfinished checkpoint lacks `name`, a file the other rank
     wrote: the manifest still lists every file on disk, and the checkpoint loads verified."""
-    results = pool.run(ckpt_ranks.save_with_stale_listing, str(tmp_path), name=name, rank=rank)
+    results = ranks2.run(ckpt_ranks.save_with_stale_listing, str(tmp_path), name=name, rank=rank)
     listed, on_disk, step = results[0]
     assert results[1] == results[0]
     assert listed == on_disk
     assert step == 1
 
 
-def test_a_file_one_rank_cannot_hash_fails_the_save_on_every_rank(pool, tmp_path):
+def test_a_file_one_rank_cannot_hash_fails_the_save_on_every_rank(ranks2, tmp_path):
     """Rank 1 hashes __0_0.distcp for the manifest (rank 0 wrote it) and cannot open it: every rank
     raises `CheckpointError` naming the file and the rank, and the checkpoint is never committed."""
-    results = pool.run(ckpt_ranks.save_with_unreadable_file, str(tmp_path), name="__0_0.distcp", rank=1)
+    results = ranks2.run(ckpt_ranks.save_with_unreadable_file, str(tmp_path), name="__0_0.distcp", rank=1)
     assert results[0] == results[1]
     message, listed = results[0]
     assert message.startswith(f"cannot write the manifest of {tmp_path / 'step_000000002.tmp'}"), message
@@ -63,8 +55,8 @@ def test_a_file_one_rank_cannot_hash_fails_the_save_on_every_rank(pool, tmp_path
         ("__0_0.distcp", 1),  # hashed by rank 1 only: rank 1 fails hashing it
     ],
 )
-def test_a_file_one_rank_cannot_read_makes_every_rank_fall_back(pool, tmp_path, name, rank):
-    results = pool.run(ckpt_ranks.load_with_unreadable_file, str(tmp_path), name=name, rank=rank)
+def test_a_file_one_rank_cannot_read_makes_every_rank_fall_back(ranks2, tmp_path, name, rank):
+    results = ranks2.run(ckpt_ranks.load_with_unreadable_file, str(tmp_path), name=name, rank=rank)
     assert results[0] == results[1], "the ranks loaded different checkpoints or skipped for different reasons"
     step, skipped, params_of_step_1 = results[0]
     assert (step, params_of_step_1) == (1, True)
@@ -74,17 +66,17 @@ def test_a_file_one_rank_cannot_read_makes_every_rank_fall_back(pool, tmp_path, 
 
 
 @pytest.mark.parametrize("optimizer", sorted(ckpt_ranks.OPTIMIZERS))
-def test_optimizer_state_comes_back_as_it_was_saved(pool, tmp_path, optimizer):
+def test_optimizer_state_comes_back_as_it_was_saved(ranks2, tmp_path, optimizer):
     """Type, placements, dtype, shape, device and value of every state entry, on every rank. The
     0-dim `gain` has a plain 0-dim `step` and 0-dim DTensor state of the same shape."""
-    for before, after, differ in pool.run(ckpt_ranks.optimizer_state_roundtrip, str(tmp_path), optimizer=optimizer):
+    for before, after, differ in ranks2.run(ckpt_ranks.optimizer_state_roundtrip, str(tmp_path), optimizer=optimizer):
         assert before["gain.step"][0] == "Tensor"
         assert {v[0] for k, v in before.items() if k.startswith("gain.")} == {"Tensor", "DTensor"}
         assert after == before
         assert differ == []
 
 
-def test_dtensor_state_laid_out_unlike_its_parameter_is_refused_at_save(pool, tmp_path):
-    for message in pool.run(ckpt_ranks.save_state_unlike_parameter, str(tmp_path)):
+def test_dtensor_state_laid_out_unlike_its_parameter_is_refused_at_save(ranks2, tmp_path):
+    for message in ranks2.run(ckpt_ranks.save_state_unlike_parameter, str(tmp_path)):
         assert re.search(r"optimizer state optim\.linear\.weight\.replicated is a DTensor \(6, 4\)", message), message
         assert "laid out like its parameter only" in message

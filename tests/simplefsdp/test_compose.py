@@ -18,6 +18,7 @@ from simplefsdp.gather import OWNER_KEY
 from simplefsdp.inspect.record import record_step
 from simplefsdp.models import Transformer
 from simplefsdp.passes.collectives import collective_counts, is_reduce_scatter
+from tests._tiers import fast_first
 from tests.simplefsdp import _accumulate as accumulate
 from tests.simplefsdp import _compose as compose
 from tests.simplefsdp import _training as training
@@ -50,7 +51,7 @@ def test_tied_parameter_gathered_and_reduced_once(fake_world8):
     assert not compose.frozen_fqns(model) & set(reduced)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", fast_first(BACKENDS, fast=2))
 def test_tied_frozen_lora_training_matches_reference(ranks2, backend):
     results = ranks2.run(compose.train_lora_simplefsdp, backend)
     ours, reference = results[0], _lora_reference()
@@ -71,7 +72,7 @@ def test_tied_frozen_lora_training_matches_reference(ranks2, backend):
     assert len(moved) == len(ours.params) - len(frozen), "every trainable parameter must have been updated"
 
 
-@pytest.mark.parametrize("backend", ["eager", "inductor"])
+@pytest.mark.parametrize("backend", fast_first(["eager", "inductor"]))
 def test_clip_grad_norm_is_global(ranks2, backend):
     """`clip_grad_norm_` on the sharded gradients returns the whole model's norm and clips like one process."""
     want_norm, want_grads = compose.clip_once("reference", 0.05)
@@ -102,7 +103,7 @@ def _unchecked_reference() -> tuple[list[float], dict[str, torch.Tensor]]:
 
 @pytest.mark.parametrize(
     ("backend", "policy"),
-    [("eager", "full"), ("aot_eager", "full"), ("inductor", "full"), ("inductor", "selective")],
+    fast_first([("eager", "full"), ("aot_eager", "full"), ("inductor", "full"), ("inductor", "selective")], rows=True),
 )
 def test_activation_checkpointing_matches_reference(ranks2, backend, policy):
     """Every block checkpointed (full / selective) and FULL_SHARD: training equals the unsharded,
@@ -114,7 +115,7 @@ def test_activation_checkpointing_matches_reference(ranks2, backend, policy):
         torch.testing.assert_close(params[fqn], value, **FP32_TOL, msg=lambda m, fqn=fqn: f"{fqn}: {m}")
 
 
-@pytest.mark.parametrize("policy", ["full", "selective"])
+@pytest.mark.parametrize("policy", fast_first(["full", "selective"]))
 def test_activation_checkpointing_adds_no_gather(fake_world8, policy):
     """Checkpointed blocks under FULL_SHARD: backward re-gathers each parameter once, exactly as
     without checkpointing (the recomputation's gather is the backward's), and saves fewer tensors."""
@@ -153,7 +154,7 @@ def test_checkpoint_blocks_errors():
         simplefsdp.checkpoint_blocks(torch.nn.Linear(2, 2))
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", fast_first(BACKENDS))
 def test_no_sync_accumulation_equals_one_batch(ranks2, backend):
     """Two micro-batches, the first under `no_sync`, give the one-batch result; compiled, the graphs
     are all built in the first steps (deferring / reducing with pending gradients) and then reused."""
@@ -314,7 +315,7 @@ NO_SYNC_SCHEDULES = {
 
 
 @pytest.mark.parametrize("schedule", list(NO_SYNC_SCHEDULES))
-@pytest.mark.parametrize("backend", NO_SYNC_BACKENDS)
+@pytest.mark.parametrize("backend", fast_first(NO_SYNC_BACKENDS))
 def test_no_sync_matches_ddp_semantics(ranks2, backend, schedule):
     """After each synchronizing backward, `.grad` holds every micro-batch's reduced gradient since the
     last zero_grad, as DDP's sums in `.grad` would: also for a parameter the synchronizing micro-batch

@@ -58,7 +58,10 @@ def test_collectives_per_strategy(fake_world8, strategy):
 
 @pytest.mark.parametrize(
     ("strategy", "reshards"),
-    fast_first([("FULL_SHARD", True), ("HYBRID_SHARD", True), ("SHARD_GRAD_OP", False), ("HYBRID_SHARD_ZERO2", False)]),
+    fast_first(
+        [("FULL_SHARD", True), ("HYBRID_SHARD", True), ("SHARD_GRAD_OP", False), ("HYBRID_SHARD_ZERO2", False)],
+        rows=True,
+    ),
 )
 def test_reshard_after_forward_saves_no_gathered_weight(fake_world8, strategy, reshards):
     """ZeRO-3: the forward keeps no all-gathered weight alive for backward; ZeRO-2 keeps them."""

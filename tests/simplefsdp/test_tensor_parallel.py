@@ -17,6 +17,7 @@ from simplefsdp.inspect.record import record_step
 from simplefsdp.models import Transformer, TransformerArgs, tensor_parallel_plan
 from simplefsdp.passes.collectives import find_collectives, is_all_gather, is_all_reduce, is_reduce_scatter
 from simplefsdp.passes.detect import find_fsdp_reductions
+from tests._tiers import fast_first
 from tests.simplefsdp import _tp
 
 # tp 8 needs heads and ffn divisible by 8; the vocabulary (67) still shards unevenly
@@ -39,8 +40,7 @@ def _assert_matches_reference(result: _tp.TrainResult) -> None:
         torch.testing.assert_close(value, ref_params[fqn], rtol=1e-5, atol=1e-6, msg=fqn)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("backend", ["eager", "aot_eager", "inductor"])
+@pytest.mark.parametrize("backend", fast_first(["eager", "aot_eager", "inductor"]))
 def test_fsdp_tp_2x2_matches_one_process(ranks4, backend):
     """(dp 2, tp 2), sequence parallel, FULL_SHARD: losses, global gradient norms (clip_grad_norm_)
     and parameters after 5 SGD steps equal the single-process run; every rank agrees."""
@@ -116,6 +116,7 @@ def test_dp8_tp8_graph_buckets_only_dp_collectives(fake_world64):
     assert wq.to_local().shape == (L4.dim // 64, L4.dim)
 
 
+@pytest.mark.slow
 def test_hybrid_shard_tp_3d_graph(fake_world64):
     """HYBRID_SHARD on (replicate 4, shard 2, tp 8): gathers over `shard`, gradients reduce-scattered
     over `shard` and all-reduced over `replicate`, bucketed per block; nothing of FSDP on `tp`."""

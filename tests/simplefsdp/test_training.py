@@ -21,6 +21,7 @@ import functools
 import pytest
 import torch
 
+from tests._tiers import fast_first
 from tests.simplefsdp import _training as training
 
 FP32_TOL = {"rtol": 64 * torch.finfo(torch.float32).eps, "atol": 64 * torch.finfo(torch.float32).eps}
@@ -52,8 +53,8 @@ def _assert_results_close(actual: training.Result, expected: training.Result, to
         torch.testing.assert_close(actual.params[fqn], value, **tol, msg=lambda m, fqn=fqn: f"{fqn}: {m}")
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("backend", fast_first(BACKENDS, fast=2))
+@pytest.mark.parametrize("strategy", fast_first(STRATEGIES))
 def test_training_matches_reference_and_fsdp2(request, strategy, backend):
     pool = _pool(request, strategy)
     results = pool.run(training.train_simplefsdp, strategy, backend)
@@ -119,7 +120,7 @@ def _deviation(actual: training.Result, expected: training.Result, *, moved: tra
     )
 
 
-@pytest.mark.parametrize("backend", ["eager", "inductor"])
+@pytest.mark.parametrize("backend", fast_first(["eager", "inductor"]))
 def test_mixed_precision_training(ranks2, backend):
     """bf16 all-gather / compute, fp32 reduction, fp32 masters: the parameters after 5 steps are the
     policy's, and FSDP2's (see [Note: the mixed-precision comparison])."""
@@ -152,8 +153,8 @@ def test_sum_reduction(ranks2):
     _assert_results_close(summed, _reference(), FP32_TOL)
 
 
-@pytest.mark.parametrize("backend", ["eager", "aot_eager", "simplefsdp_aot_eager", "inductor"])
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("backend", fast_first(["simplefsdp_aot_eager", "eager", "aot_eager", "inductor"]))
+@pytest.mark.parametrize("world", fast_first([2, 4]))
 def test_uneven_and_empty_shards(request, world, backend):
     """dim 0 not divisible by (2 ranks) or smaller than (4 ranks: empty shards) the world, through
     the compiled paths with the passes on, which bucket the padded pieces: gradients equal one
@@ -169,6 +170,7 @@ def test_uneven_and_empty_shards(request, world, backend):
             torch.testing.assert_close(grads[fqn], param.grad, **FP32_TOL)
 
 
+@pytest.mark.slow
 def test_warm_compile_cache_is_per_rank(ranks4):
     """The second run loads every graph from the on-disk compile cache that all 4 ranks share.
 
@@ -182,8 +184,8 @@ def test_warm_compile_cache_is_per_rank(ranks4):
         _assert_results_close(b, a, tol=None)
 
 
-@pytest.mark.parametrize("backend", ["simplefsdp_aot_eager", "inductor"])
-@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("backend", fast_first(["simplefsdp_aot_eager", "inductor"]))
+@pytest.mark.parametrize("strategy", fast_first(STRATEGIES))
 def test_passes_do_not_change_training(request, strategy, backend):
     """Bucketing and reordering move the same bytes through the same reductions and reorder only
     independent ops: fp32 training with the passes equals training without them, bitwise."""

@@ -24,7 +24,7 @@ logging.getLogger("simplefsdp.x").error("an error")
 """
 
 
-@pytest.mark.parametrize(("rank", "verbose"), fast_first([(1, False), (0, False), (1, True)]))
+@pytest.mark.parametrize(("rank", "verbose"), fast_first([(1, False), (0, False), (1, True)], rows=True))
 def test_other_ranks_show_errors_only_unless_verbose(rank, verbose):
     run = subprocess.run(
         [sys.executable, "-c", _SPEAK.format(rank=rank, verbose=verbose)], capture_output=True, text=True, check=True

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.slow  # see tests/_tiers.py
+# slow: see tests/_tiers.py; the timeout covers the script's own (600 s)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(660)]
 
 SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "scoreboard.py"
 # the rows the scoreboard compares, one of each kind: "ours-auto" and torch's SHARD_GRAD_OP row are

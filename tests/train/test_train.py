@@ -21,7 +21,8 @@ import sys
 
 import pytest
 
-pytestmark = pytest.mark.slow  # see tests/_tiers.py
+# slow: see tests/_tiers.py; the first test also runs the shared 6-step inductor run (its fixture)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 TINY = ["--n-layers", "2", "--dim", "32", "--n-heads", "4", "--ffn-dim", "88", "--seq-len", "16", "--lr", "1e-2"]
 
