@@ -61,8 +61,19 @@ def _check_dtype(what: str, dtype: torch.dtype) -> None:
 def _check_tensors(what: str, tensors: Sequence[torch.Tensor]) -> None:
     for i, t in enumerate(tensors):
         _check_dtype(f"{what}[{i}]", t.dtype)
-        if not t.is_contiguous():
-            raise ValueError(f"{what}[{i}] (shape {tuple(t.shape)}, stride {t.stride()}) must be contiguous")
+
+
+# [Note: any input layout]
+# The ops read every tensor input in its logical (row-major) element order, whatever its strides:
+# the compiler decides layouts, and on the CPU inductor hands convolution weights and their
+# gradients back channels-last (and may pass a saved shard to backward in that layout). The CPU
+# paths read strided directly (`copy_` / `_chunk_cat` walk the strides, no temporary); the Triton
+# path reads flat, so a non-contiguous input costs one `contiguous()` copy first
+# (`_flat`), paid only by the inputs that need it.
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    """`t`'s elements in logical order, 1-D and contiguous (the kernel indexes flat memory): a view
+    when `t` is contiguous, else a copy (`reshape` alone could return a strided 1-D view)."""
+    return t.contiguous().view(-1)
 
 
 def _check_chunks(chunks: Sequence[int], n: int) -> None:
@@ -85,7 +96,7 @@ def _cpu_all_gather_copy_in(shards: list[torch.Tensor], chunks: list[int], slot:
     places = slot.split(chunks)
     if not shards:
         return
-    foreach_copy_([p[: s.numel()] for p, s in zip(places, shards, strict=True)], [s.view(-1) for s in shards])
+    foreach_copy_([p[: s.numel()].view(s.shape) for p, s in zip(places, shards, strict=True)], list(shards))
     for place, shard in zip(places, shards, strict=True):
         if shard.numel() < place.numel():  # a short last shard, or dim 0 not a multiple of world
             place[shard.numel() :].zero_()
@@ -95,7 +106,7 @@ def _cpu_all_gather_copy_out(
     gathered: torch.Tensor, chunks: list[int], shapes: list[list[int]], world: int
 ) -> list[torch.Tensor]:
     outs = [gathered.new_empty(world, c) for c in chunks]
-    torch.split_with_sizes_copy(gathered.view(world, -1), chunks, dim=1, out=outs)
+    torch.split_with_sizes_copy(gathered.reshape(world, -1), chunks, dim=1, out=outs)
     return [out.view(-1)[: math.prod(shape)].view(shape) for out, shape in zip(outs, shapes, strict=True)]
 
 
@@ -129,7 +140,7 @@ def all_gather_copy_in(
     shards: list[torch.Tensor], chunks: list[int], dtype: torch.dtype, world: int, rank: int
 ) -> torch.Tensor:
     """The `[world * bucket]` all-gather buffer with rank `rank`'s slot holding this rank's shards
-    (contiguous, any shape: read flat), cast to `dtype` and zero-padded to `chunks`; the other slots
+    (any shape and layout: read in logical order), cast to `dtype` and zero-padded to `chunks`; the other slots
     are left unwritten (the in-place all-gather fills them)."""
     _check_tensors("shards", shards)
     _check_dtype("dtype", dtype)
@@ -147,7 +158,7 @@ def all_gather_copy_in(
         return out
     from simplefsdp.kernels import triton_copy
 
-    triton_copy.pack([s.reshape(-1) for s in shards], list(chunks), slot, rows=1)
+    triton_copy.pack([_flat(s) for s in shards], list(chunks), slot, rows=1)
     return out
 
 
@@ -179,7 +190,7 @@ def all_gather_copy_out(
     from simplefsdp.kernels import triton_copy
 
     outs = [torch.empty(shape, dtype=gathered.dtype, device=gathered.device) for shape in shapes]
-    triton_copy.unpack(gathered, list(chunks), [out.view(-1) for out in outs], rows=world)
+    triton_copy.unpack(_flat(gathered), list(chunks), [out.view(-1) for out in outs], rows=world)
     return outs
 
 
@@ -204,7 +215,7 @@ def reduce_scatter_copy_in(grads: list[torch.Tensor], world: int, dtype: torch.d
 
     chunks = [reference.chunk_numel(g.shape, world) for g in grads]
     out = torch.empty(world * sum(chunks), dtype=dtype, device=grads[0].device)
-    triton_copy.pack([g.reshape(-1) for g in grads], chunks, out, rows=world, scale=scale)
+    triton_copy.pack([_flat(g) for g in grads], chunks, out, rows=world, scale=scale)
     return out
 
 

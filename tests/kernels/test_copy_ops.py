@@ -39,16 +39,32 @@ def buckets(draw):
 
 
 def _params(shapes, dtype, seed, device="cpu"):
-    """Random tensors of `shapes`; every third one in fp32 whatever `dtype` is (buckets mix dtypes)."""
+    """Random tensors of `shapes`; every third one in fp32 whatever `dtype` is (buckets mix dtypes),
+    laid out in memory as `_layout(seed)` says (the ops must accept any layout)."""
     gen = torch.Generator().manual_seed(seed)
     return [
-        torch.randn(s, generator=gen).to(dtype if i % 3 else torch.float32).to(device) for i, s in enumerate(shapes)
+        _layout(torch.randn(s, generator=gen).to(dtype if i % 3 else torch.float32).to(device), seed)
+        for i, s in enumerate(shapes)
     ]
 
 
+def _layout(t: torch.Tensor, seed: int) -> torch.Tensor:
+    """`t`'s values in one of three memory layouts, chosen by `seed`: contiguous; every other
+    element of a twice-as-long buffer; dims in reversed memory order (a transpose's layout)."""
+    kind = seed % 3
+    if kind == 0 or t.numel() < 2:
+        return t
+    if kind == 1 or t.dim() < 2:
+        spaced = t.new_empty(*t.shape, 2).select(-1, 0)
+        return spaced.copy_(t)
+    reversed_dims = list(range(t.dim()))[::-1]
+    return t.permute(reversed_dims).contiguous().permute(reversed_dims)
+
+
 def _shard(full: torch.Tensor, world: int, rank: int) -> torch.Tensor:
+    """Rank `rank`'s dim-0 shard of `full`: a view, in `full`'s layout."""
     rows = math.ceil(full.shape[0] / world)
-    return full[rank * rows : (rank + 1) * rows].contiguous()
+    return full[rank * rows : (rank + 1) * rows]
 
 
 def _chunks(shapes, world):
@@ -67,6 +83,7 @@ def test_all_gather_round_trip_over_all_ranks(bucket):
     gathered = torch.cat(
         [_slot(copy_in([_shard(f, world, r) for f in fulls], chunks, dst, world, r), world, r) for r in range(world)]
     )
+    gathered = _layout(gathered, seed)  # the gathered buffer too may arrive strided
     outs = torch.ops.simplefsdp.all_gather_copy_out(gathered, chunks, *_flat([f.shape for f in fulls]), world)
     for out, full in zip(outs, fulls, strict=True):
         assert out.shape == full.shape, "each output in its parameter's shape"
@@ -115,8 +132,6 @@ def test_bad_inputs_are_named():
         torch.ops.simplefsdp.all_gather_copy_in([x, torch.ones(3, dtype=torch.long)], [16, 3], torch.bfloat16, 1, 0)
     with pytest.raises(ValueError, match=r"shards\[0\] has 16 elements, more than its chunk of 8"):
         torch.ops.simplefsdp.all_gather_copy_in([x], [8], torch.bfloat16, 1, 0)
-    with pytest.raises(ValueError, match=r"grads\[0\] .* must be contiguous"):
-        torch.ops.simplefsdp.reduce_scatter_copy_in([x.t()], 2, torch.float32, 1.0)
     with pytest.raises(ValueError, match="gathered has 16 elements; world 2 x bucket 4 expected"):
         torch.ops.simplefsdp.all_gather_copy_out(x.reshape(-1), [4], [8], [1], 2)
     with pytest.raises(ValueError, match=r"shape \[3, 3\] of output 0 does not fit 2 chunks of 4"):
@@ -139,6 +154,27 @@ def test_ops_trace_under_compile():
     out = step(a, b)
     assert torch.equal(out[0], a.bfloat16())
     assert torch.equal(out[1], b.bfloat16())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_channels_last_convolution_weights(dtype):
+    """Inductor hands conv weights and their gradients over channels-last; the ops read them in
+    logical order, like their contiguous copies."""
+    world, rank = 2, 1
+    fulls = [torch.randn(s).to(memory_format=torch.channels_last) for s in [(8, 3, 4, 4), (6, 1, 3, 3), (5, 2, 1, 1)]]
+    chunks = _chunks([f.shape for f in fulls], world)
+    shards = [_shard(f, world, rank) for f in fulls]
+    assert not fulls[0].is_contiguous()
+    assert not shards[0].is_contiguous()
+    plain = [s.contiguous() for s in shards]
+    copy_in = torch.ops.simplefsdp.all_gather_copy_in
+    assert torch.equal(
+        _slot(copy_in(shards, chunks, dtype, world, rank), world, rank),
+        _slot(copy_in(plain, chunks, dtype, world, rank), world, rank),
+    )
+    rs = torch.ops.simplefsdp.reduce_scatter_copy_in
+    assert torch.equal(rs(fulls, world, dtype, 0.5), rs([f.contiguous() for f in fulls], world, dtype, 0.5))
+    assert torch.equal(rs(fulls, world, dtype, 0.5), reference.reduce_scatter_copy_in(fulls, world, dtype, 0.5))
 
 
 # --- the Triton kernel ----------------------------------------------------------------------------
