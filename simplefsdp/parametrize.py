@@ -27,6 +27,7 @@ from collections.abc import Iterator
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from simplefsdp.cached_params import gathered_attributes
 from simplefsdp.class_swap import subclass, user_class
 from simplefsdp.gather import GatherSpec, gather_full
 
@@ -53,7 +54,7 @@ def _gathered_property(name: str) -> property:
 
 @functools.cache
 def _sharded_class(cls: type[nn.Module], names: tuple[str, ...]) -> type[nn.Module]:
-    attrs = {name: _gathered_property(name) for name in names}
+    attrs = {**gathered_attributes(cls), **{name: _gathered_property(name) for name in names}}
     attrs[_ORIGINAL_CLASS_ATTR] = cls
     attrs["__module__"] = __name__
     return subclass(cls, adds="GatherOnAccess", attrs=attrs)

@@ -17,6 +17,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from simplefsdp._compat import use_rank_aware_cache_keys
 from simplefsdp.accumulate import Accumulation, attach
 from simplefsdp.blocks import find_repeated_blocks, validate_patterns
+from simplefsdp.cached_params import repoint_caches, warn_about_cached_references, warn_about_eager_modules
 from simplefsdp.class_swap import user_class
 from simplefsdp.gather import GatherSpec, ReduceOp, reduce_pending
 from simplefsdp.mesh import resolve_mesh
@@ -92,6 +93,8 @@ def wrap(
         accumulation=Accumulation(),
         wrap_id=next(_WRAP_IDS),
     )
+    warn_about_cached_references(model)
+    warn_about_eager_modules(model)
     has_tied = _shard_parameters(model, params, settings)
     broadcast_replicated(model, mesh)
     _install_on_root(model, settings, passes=passes, has_tied=has_tied)
@@ -235,6 +238,7 @@ def _shard_parameters(model: nn.Module, params: dict[str, nn.Parameter], setting
         for name in specs:
             module._parameters[name] = sharded[id(module._parameters[name])]
         if specs:
+            repoint_caches(module)
             gather_on_access(module, specs)
     return any(n > 1 for n in holders.values())
 
