@@ -11,8 +11,18 @@ tensors keep their identity: a module holding a reference still sees its buffer)
 have no values yet (`materialize` initialises them later, identically on every rank) and are
 skipped, as are DTensors, which a tensor-parallel plan already placed.
 
-After `wrap()`, buffers are per-rank state again: a BatchNorm in training mode updates its
-running statistics from the rank's own batch (as DDP without `SyncBatchNorm` does).
+[Note: BatchNorm in training mode]
+After `wrap()`, buffers are per-rank state again. A BatchNorm in training mode normalises each
+rank's batch by that batch's own statistics and updates its running statistics from them (what
+DDP without `SyncBatchNorm` and FSDP2 do; DDP's default also overwrites them with rank 0's at every
+forward, which is not done here): the gradients are those of the mean of the ranks' losses, each
+computed with its own batch statistics, and the ranks' running statistics drift apart. Both
+checkpoint formats store rank 0's (the sharded save writes every replicated tensor from rank 0), so
+a model loaded from a checkpoint starts with rank 0's statistics on every rank. For statistics over
+the whole global batch, convert the model with `nn.SyncBatchNorm.convert_sync_batchnorm` before
+wrapping: its parameters are sharded and gathered like BatchNorm's, and its forward synchronises
+the statistics itself -- on GPUs only (torch has no CPU kernels for it and refuses CPU inputs in
+training mode).
 """
 
 from __future__ import annotations

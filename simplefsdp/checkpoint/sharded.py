@@ -179,8 +179,12 @@ def save_checkpoint(
         tensors.update(optim.tensors)
         optimizer_json = {"param_groups": optim.param_groups, "scalars": optim.scalars, "layouts": optim.layouts}
     writer = dcp.FileSystemWriter(tmp, single_file_per_rank=True, sync_files=True)
+    # a tensor every rank holds whole (a buffer) is written by rank 0, not by whichever rank DCP's
+    # load balancing picks: per-rank state such as BatchNorm statistics is saved as rank 0 has it,
+    # as the full export does (see [Note: BatchNorm in training mode] in simplefsdp/replicated.py)
+    planner = dcp.DefaultSavePlanner(dedup_save_to_lowest_rank=True)
     with _single_process_quietly():
-        dcp.save(tensors, storage_writer=writer, no_dist=not sync.is_distributed())
+        dcp.save(tensors, storage_writer=writer, planner=planner, no_dist=not sync.is_distributed())
     write_train_state(tmp, step=step, extra=extra or {}, optimizer=optimizer_json)
     sync.wait_for_all_ranks(what=f"save_checkpoint(step={step}): data written", timeout=timeout)
     write_manifest(tmp, step=step)
