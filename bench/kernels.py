@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import math
 import statistics
 import sys
 import time
@@ -41,8 +42,10 @@ import simplefsdp.kernels  # noqa: F401  (registers torch.ops.simplefsdp.*)
 from simplefsdp import _compat
 from simplefsdp.kernels import reference
 
+__all__ = ["block_shapes", "measure"]
 
-def _block_shapes(dim: int = 4096, heads: int = 32, kv_heads: int = 8, ffn: int = 14336) -> list[tuple[int, ...]]:
+
+def block_shapes(dim: int = 4096, heads: int = 32, kv_heads: int = 8, ffn: int = 14336) -> list[tuple[int, ...]]:
     head_dim = dim // heads
     return [
         (dim, dim),  # wq
@@ -86,6 +89,75 @@ def _row(name: str, nbytes: int, seconds: float, copy_gbs: float) -> str:
     return f"| {name} | {seconds * 1e6:.0f} us | {gbs:.0f} GB/s | {gbs / copy_gbs:.0%} |"
 
 
+def measure(*, shapes: list[tuple[int, ...]], world: int, iters: int, device: str) -> dict[str, tuple[int, float]]:
+    """Median seconds of each op and of its FSDP2 eager counterpart on rank 0's shards of fp32
+    `shapes` over `world` ranks, cast to bf16, with the bytes each moves: `{name: (bytes, seconds)}`.
+    Names: "plain copy", "copy-in {ours, FSDP2 eager, inductor}", "copy-out {ours, FSDP2 eager}",
+    "reduce-scatter copy-in {ours, FSDP2 eager}"."""
+    dev, bf16 = device, torch.bfloat16
+    _time = functools.partial(_timed, iters=iters, cuda=dev == "cuda")
+    fulls = [torch.randn(s, device=dev) for s in shapes]
+    chunks = [reference.chunk_numel(s, world) for s in shapes]
+    shards = [f[: -(-f.shape[0] // world)].contiguous() for f in fulls]  # rank 0's shards
+    n_shard, n_full = sum(chunks), world * sum(chunks)
+    results = {}
+
+    src = torch.empty(n_shard * 6, dtype=torch.uint8, device=dev)  # 4 + 2 bytes per element moved
+    dst = torch.empty_like(src)
+    (results["plain copy"],) = [(2 * src.numel(), s) for s in _time(lambda: dst.copy_(src))]
+
+    ag_output = torch.empty(n_full, dtype=bf16, device=dev)
+    # FSDP2 keeps its shards padded; it casts each, then copies them into this rank's slot
+    padded = [F.pad(s.reshape(-1), (0, c - s.numel())) for s, c in zip(shards, chunks, strict=True)]
+
+    def fsdp2_copy_in():
+        cast = [p.to(bf16) for p in padded]
+        torch.ops.fsdp.all_gather_copy_in(cast, ag_output, chunks, n_shard, 0)  # torch 2.11 and 2.13 signature
+
+    compiled = torch.compile(lambda xs: torch.cat([x.to(bf16).reshape(-1) for x in xs]))
+    times = _time(
+        lambda: torch.ops.simplefsdp.all_gather_copy_in(shards, chunks, bf16, world, 0),
+        fsdp2_copy_in,
+        lambda: compiled(shards),
+    )
+    for name, seconds in zip(("ours", "FSDP2 eager", "inductor"), times, strict=True):
+        results[f"copy-in {name}"] = (n_shard * (4 + 2), seconds)
+
+    gathered = torch.randn(n_full, device=dev).to(bf16)
+
+    def fsdp2_copy_out():  # FSDP2 allocates the unsharded parameters' storage at every all-gather
+        outs = [torch.empty(world, c, dtype=bf16, device=dev) for c in chunks]
+        torch.split_with_sizes_copy(gathered.view(world, -1), chunks, dim=1, out=outs)
+
+    full_numels = [world * c for c in chunks]
+    times = _time(
+        lambda: torch.ops.simplefsdp.all_gather_copy_out(gathered, chunks, full_numels, [1] * len(chunks), world),
+        fsdp2_copy_out,
+    )
+    for name, seconds in zip(("ours", "FSDP2 eager"), times, strict=True):
+        results[f"copy-out {name}"] = (2 * 2 * n_full, seconds)
+
+    rs_bytes = sum(f.numel() for f in fulls) * 4 + n_full * 2
+    times = _time(
+        lambda: torch.ops.simplefsdp.reduce_scatter_copy_in(fulls, world, bf16, 1.0),
+        lambda: _compat.chunk_cat([f.to(bf16) for f in fulls], dim=0, num_chunks=world),
+    )
+    for name, seconds in zip(("ours", "FSDP2 eager"), times, strict=True):
+        results[f"reduce-scatter copy-in {name}"] = (rs_bytes, seconds)
+    return results
+
+
+_DESCRIPTIONS = {
+    "copy-in ours": "all-gather copy-in, ours",
+    "copy-in FSDP2 eager": "all-gather copy-in, FSDP2 eager (cast, then copy-in)",
+    "copy-in inductor": "all-gather copy-in, inductor cat + cast",
+    "copy-out ours": "all-gather copy-out, ours",
+    "copy-out FSDP2 eager": "all-gather copy-out, FSDP2 eager (split_with_sizes_copy)",
+    "reduce-scatter copy-in ours": "reduce-scatter copy-in, ours",
+    "reduce-scatter copy-in FSDP2 eager": "reduce-scatter copy-in, FSDP2 eager (cast, then _chunk_cat)",
+}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--world", type=int, default=8)
@@ -99,70 +171,23 @@ def main() -> int:
         return 0
     if args.cpu:
         torch.set_num_threads(1)  # one core: timings of a shared 2-core machine are otherwise thread-contention noise
-    world, dev, bf16 = args.world, ("cpu" if args.cpu else "cuda"), torch.bfloat16
     dim = args.dim or (1024 if args.cpu else 4096)
-    shapes = _block_shapes(dim=dim, heads=max(1, dim // 128), kv_heads=max(1, dim // 512), ffn=dim * 7 // 2)
-    _time = functools.partial(_timed, iters=args.iters, cuda=dev == "cuda")
-    fulls = [torch.randn(s, device=dev) for s in shapes]
-    chunks = [reference.chunk_numel(s, world) for s in shapes]
-    shards = [f[: -(-f.shape[0] // world)].contiguous() for f in fulls]  # rank 0's shards
-    numels = [f.numel() for f in fulls]
-    n_shard, n_full = sum(chunks), world * sum(chunks)
-
-    src = torch.empty(n_shard * 6, dtype=torch.uint8, device=dev)  # 4 + 2 bytes per element moved
-    dst = torch.empty_like(src)
-    (copy_s,) = _time(lambda: dst.copy_(src))
-    copy_gbs = 2 * src.numel() / copy_s / 1e9
-    rows = [f"| plain copy ({src.numel() / 1e6:.0f} MB) | {copy_s * 1e6:.0f} us | {copy_gbs:.0f} GB/s | 100% |"]
-
-    ag_in_bytes = n_shard * (4 + 2)
-    ag_output = torch.empty(n_full, dtype=bf16, device=dev)
-    # FSDP2 keeps its shards padded; it casts each, then copies them into this rank's slot
-    padded = [F.pad(s.reshape(-1), (0, c - s.numel())) for s, c in zip(shards, chunks, strict=True)]
-
-    def fsdp2_copy_in():
-        cast = [p.to(bf16) for p in padded]
-        torch.ops.fsdp.all_gather_copy_in(cast, ag_output, chunks, n_shard, 0)  # torch 2.13 signature
-
-    compiled = torch.compile(lambda xs: torch.cat([x.to(bf16).reshape(-1) for x in xs]))
-    ours, fsdp2, inductor = _time(
-        lambda: torch.ops.simplefsdp.all_gather_copy_in(shards, chunks, bf16, world, 0),
-        fsdp2_copy_in,
-        lambda: compiled(shards),
-    )
-    rows.append(_row("all-gather copy-in, ours", ag_in_bytes, ours, copy_gbs))
-    rows.append(_row("all-gather copy-in, FSDP2 eager (cast, then copy-in)", ag_in_bytes, fsdp2, copy_gbs))
-    rows.append(f"| copy-in speed-up over FSDP2 eager | {fsdp2 / ours:.2f}x | | |")
-    rows.append(_row("all-gather copy-in, inductor cat + cast", ag_in_bytes, inductor, copy_gbs))
-
-    gathered = torch.randn(n_full, device=dev).to(bf16)
-    ag_out_bytes = 2 * 2 * n_full
-
-    def fsdp2_copy_out():  # FSDP2 allocates the unsharded parameters' storage at every all-gather
-        outs = [torch.empty(world, c, dtype=bf16, device=dev) for c in chunks]
-        torch.split_with_sizes_copy(gathered.view(world, -1), chunks, dim=1, out=outs)
-
-    full_numels = [world * c for c in chunks]
-    ours, split = _time(
-        lambda: torch.ops.simplefsdp.all_gather_copy_out(gathered, chunks, full_numels, [1] * len(chunks), world),
-        fsdp2_copy_out,
-    )
-    rows.append(_row("all-gather copy-out, ours", ag_out_bytes, ours, copy_gbs))
-    rows.append(_row("all-gather copy-out, FSDP2 eager (split_with_sizes_copy)", ag_out_bytes, split, copy_gbs))
-    rows.append(f"| copy-out speed-up over FSDP2 eager | {split / ours:.2f}x | | |")
-
-    rs_bytes = sum(numels) * 4 + n_full * 2
-    ours, chunk_cat = _time(
-        lambda: torch.ops.simplefsdp.reduce_scatter_copy_in(fulls, world, bf16, 1.0),
-        lambda: _compat.chunk_cat([f.to(bf16) for f in fulls], dim=0, num_chunks=world),
-    )
-    rows.append(_row("reduce-scatter copy-in, ours", rs_bytes, ours, copy_gbs))
-    rows.append(_row("reduce-scatter copy-in, FSDP2 eager (cast, then _chunk_cat)", rs_bytes, chunk_cat, copy_gbs))
-    rows.append(f"| reduce-scatter copy-in speed-up over FSDP2 eager | {chunk_cat / ours:.2f}x | | |")
+    shapes = block_shapes(dim=dim, heads=max(1, dim // 128), kv_heads=max(1, dim // 512), ffn=dim * 7 // 2)
+    results = measure(shapes=shapes, world=args.world, iters=args.iters, device="cpu" if args.cpu else "cuda")
+    copy_bytes, copy_s = results.pop("plain copy")
+    copy_gbs = copy_bytes / copy_s / 1e9
+    rows = [f"| plain copy ({copy_bytes / 2e6:.0f} MB) | {copy_s * 1e6:.0f} us | {copy_gbs:.0f} GB/s | 100% |"]
+    for name, (nbytes, seconds) in results.items():
+        rows.append(_row(_DESCRIPTIONS[name], nbytes, seconds, copy_gbs))
+        if name.endswith("FSDP2 eager"):
+            op = name.removesuffix(" FSDP2 eager")
+            speedup = seconds / results[f"{op} ours"][1]
+            rows.append(f"| {op} speed-up over FSDP2 eager | {speedup:.2f}x | | |")
 
     where = "CPU, 1 thread" if args.cpu else torch.cuda.get_device_name()
     block = "Llama-3-8B block" if dim == 4096 else f"Llama-style block, dim {dim}"
-    print(f"{where}, {block} ({sum(numels) / 1e6:.1f}M parameters), world {world}, fp32 -> bf16")
+    params = sum(math.prod(s) for s in shapes)
+    print(f"{where}, {block} ({params / 1e6:.1f}M parameters), world {args.world}, fp32 -> bf16")
     print("| op | time (median) | bandwidth | of plain copy |\n|---|---|---|---|")
     print("\n".join(rows))
     return 0

@@ -1,8 +1,8 @@
 """The three bucket copy ops as `torch.library` custom ops: `torch.ops.simplefsdp.<name>`.
 
-Semantics: `reference.py`. Each op has a CUDA implementation (one Triton kernel launch per
-parameter, `triton_copy.py`; `SIMPLEFSDP_TRITON_ON_CPU=1` also routes CPU tensors through it, for
-the interpreter tests), a CPU implementation (torch ops: one `cat` / `split` after per-parameter
+Semantics: `reference.py`. Each op has a Triton implementation (one kernel launch per bucket,
+`triton_copy.py`; [Note: kernel selection] says where it runs), a torch-ops implementation (the
+CPU's, and any device's without Triton: one `cat` / `split` after per-parameter
 cast + pad, the same work as the unfused sequence it replaces) and a fake implementation, so the
 ops trace under torch.compile. Inputs are checked up front; a bad one raises a `ValueError`
 naming the argument and position.
@@ -25,7 +25,9 @@ another module having registered them first).
 
 from __future__ import annotations
 
+import functools
 import itertools
+import logging
 import math
 import os
 from collections.abc import Sequence
@@ -49,8 +51,36 @@ __all__ = [
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what the ops read and write
 
 
+_log = logging.getLogger(__name__)
+
+
 def _use_triton(t: torch.Tensor) -> bool:
-    return t.device.type == "cuda" or os.environ.get("SIMPLEFSDP_TRITON_ON_CPU") == "1"
+    """[Note: kernel selection]
+    The Triton kernel runs where it imports and supports the tensor's device (`triton_copy.supports`):
+    a CUDA (or ROCm) GPU, or the CPU when `SIMPLEFSDP_TRITON_ON_CPU=1` routes CPU tensors to it and
+    Triton's interpreter is on (`TRITON_INTERPRET=1` before import; the kernel tests' route). Anywhere
+    else -- no Triton installed (e.g. aarch64, which the dependency marker leaves out), no driver, other
+    devices -- the torch-ops implementations run, which compute the same results. The choice is made
+    once per device type and logged at INFO with its reason."""
+    return _kernel_choice(t.device.type, os.environ.get("SIMPLEFSDP_TRITON_ON_CPU") == "1")
+
+
+@functools.cache
+def _kernel_choice(device_type: str, triton_on_cpu: bool) -> bool:
+    if device_type == "cpu" and not triton_on_cpu:
+        why = "CPU tensors (SIMPLEFSDP_TRITON_ON_CPU=1 routes them to Triton's interpreter)"
+    else:
+        try:
+            from simplefsdp.kernels import triton_copy
+        except ImportError as e:
+            why = f"Triton does not import ({e})"
+        else:
+            why = triton_copy.supports(torch.device(device_type))
+    if why is None:
+        _log.info("simplefsdp copy ops on %s: Triton kernel", device_type)
+    else:
+        _log.info("simplefsdp copy ops on %s: torch ops; %s", device_type, why)
+    return why is None
 
 
 def _check_dtype(what: str, dtype: torch.dtype) -> None:

@@ -2,7 +2,44 @@
 
 A torch upgrade that moves one of these breaks this file and nothing else. Each entry names the
 torch versions it was checked on: 2.13 is what the CPU development machines carry and every entry
-runs there in the test suite; 2.11 (the GPU machines' version) has not been run yet.
+runs there in the test suite; 2.11 (the GPU machines' version) has not been run yet: its source was
+read, see [Note: torch 2.11 review].
+
+[Note: torch 2.11 review]
+Every entry below read against the torch 2.11.0 wheel's Python source (2.11.0+cu130, downloaded and
+unpacked, not installed; nothing was run on 2.11). "checked": the name exists there with the
+signature / fields we use. "fallback": what runs on 2.11 instead.
+- functorch_config (`enable_autograd_cache`, `force_non_lazy_backward_lowering`), inductor_config
+  (`post_grad_custom_post_pass`, `reorder_for_peak_memory`, `fx_graph_cache`): checked.
+- CustomGraphPass: checked. CustomInferenceAwareGraphPass: absent in 2.11 -- fallback: None (the
+  `is_inference` flag is not forwarded to a user's pass; there is no such pass interface to honour).
+- aot_autograd, register_backend, get_nonrecursive_disable_wrapper (eager_top_frame),
+  min_cut_rematerialization_partition, stable_topological_sort, run_and_get_code, set_logs,
+  OpOverload / OpOverloadPacket, FakeTensorMode, tree_leaves / tree_map_only, flop_registry: checked.
+- _resolve_process_group: checked (2.11 re-exports it from `torch._C._distributed_c10d`).
+- _StridedShard: checked (now a subclass of a C++ `StridedShard`; the constructor was not compared).
+- c10d_functional: the schemas are C++ (not in the wheel's Python); the Python meta kernels match
+  all_gather_into_tensor(input, group_size, group_name), all_gather_into_tensor_out(input,
+  group_size, group_name, *, out), reduce_scatter_tensor(input, reduce_op, group_size, group_name);
+  all_reduce / wait_tensor only by name. Partly checked.
+- foreach_copy_, chunk_cat: checked (`torch._foreach_copy_`, `torch._chunk_cat` in the stubs).
+- all_gather_single / reduce_scatter_single: absent in 2.11 -- fallback: all_gather_into_tensor /
+  reduce_scatter_tensor (present, same arguments).
+- version_counter (`Tensor._version`): checked (`TensorBase._version: int` in 2.11's stubs).
+- root_mesh (`DeviceMesh._get_root_mesh`), unwrap_compiled (`_orig_mod`): checked.
+- module_fqn (the `nn_module_stack` format): not verified (built by Dynamo at trace time; reading
+  would not settle it).
+- DCP_METADATA_GLOBALS: every class / function named exists in 2.11's `checkpoint.metadata`,
+  `checkpoint.filesystem._StorageInfo`, `serialization._get_layout`: checked (that 2.11's writer
+  pickles no other name was not checked).
+- init_fake_process_group: 2.11 < 2.13, so the fallback runs: `FakeStore` from
+  `torch.testing._internal.distributed.fake_pg` (present, checked).
+- use_rank_aware_cache_keys: 2.11's DTensor has no `_stable_hash_for_caching` and no file of the
+  2.11 wheel names it -- fallback: the method is set but nothing calls it, so the per-rank key does
+  nothing on 2.11. Whether 2.11's cache can serve one rank another's graph is not known.
+- Not a _compat entry, but the issue asked: `redistribute(backward_dtype=...)` exists in 2.11 and
+  its backward casts the gradient to `backward_dtype` before redistributing (the reduction), so by
+  reading, `reduce_dtype` applies on 2.11. Not run.
 
 ATen operators whose names start with an underscore (`aten._to_copy`, `aten._scaled_dot_product_*`)
 are not listed: they are operators of the traced graphs, not Python internals. Python-level private

@@ -182,24 +182,26 @@ def test_channels_last_convolution_weights(dtype):
 
 @pytest.fixture(scope="module")
 def triton_device():
-    """The device the Triton path runs on (the GPU, or the CPU through the interpreter), and a
-    count of kernel launches, so the test can tell the Triton path really ran."""
+    """The device the Triton path runs on (the GPU, or the CPU through the interpreter), and the
+    list of kernel launches (one plan each), so a test can tell the Triton path ran, and how often."""
     with pytest.MonkeyPatch.context() as patch:
         if not CUDA:
             patch.setenv("TRITON_INTERPRET", "1")
             patch.setenv("SIMPLEFSDP_TRITON_ON_CPU", "1")
-        from simplefsdp.kernels import triton_copy
+        from simplefsdp.kernels import copy_ops, triton_copy
 
         importlib.reload(triton_copy)  # decorate the kernels in interpreter mode
+        copy_ops._kernel_choice.cache_clear()
         launches = []
-        launch = triton_copy._launch
+        launch = triton_copy.launch_bucket
 
-        def counted(*args, **kwargs):
-            launches.append(1)
-            return launch(*args, **kwargs)
+        def counted(plan, *args, **kwargs):
+            launches.append(plan)
+            return launch(plan, *args, **kwargs)
 
-        patch.setattr(triton_copy, "_launch", counted)
+        patch.setattr(triton_copy, "launch_bucket", counted)
         yield ("cuda" if CUDA else "cpu"), launches
+    copy_ops._kernel_choice.cache_clear()
 
 
 def _close_or_one_ulp(actual: torch.Tensor, expected: torch.Tensor, interpreter: bool) -> None:
@@ -215,7 +217,7 @@ def _close_or_one_ulp(actual: torch.Tensor, expected: torch.Tensor, interpreter:
 @given(bucket=buckets(), scale=st.sampled_from([1.0, 0.25, 1 / 3]))
 def test_triton_matches_reference(triton_device, bucket, scale):
     triton_device, launches = triton_device
-    launched_before = len(launches)
+    del launches[:]
     world, rank, shapes, src, dst, seed = bucket
     interpreter = triton_device == "cpu"
     fulls = _params(shapes, src, seed)
@@ -238,4 +240,33 @@ def test_triton_matches_reference(triton_device, bucket, scale):
 
     got = torch.ops.simplefsdp.reduce_scatter_copy_in([f.to(triton_device) for f in fulls], world, dst, scale).cpu()
     _close_or_one_ulp(got, reference.reduce_scatter_copy_in(fulls, world, dst, scale), interpreter)
-    assert len(launches) > launched_before or not shapes, "the Triton path must have been taken"
+    buckets_launched = [plan for plan in launches if plan.segments]
+    assert len(buckets_launched) == 3 * bool(shapes), "the Triton path: one launch per op call, whole bucket"
+    assert all(len(plan.segments) == len(shapes) for plan in buckets_launched)
+
+
+@settings(max_examples=25, deadline=None)
+@given(bucket=buckets(), programs=st.integers(1, 4), block=st.sampled_from([8, 16, 1024]))
+def test_triton_grid_stride_loop_covers_every_tile(triton_device, bucket, programs, block):
+    """Fewer programs than tiles (the loop inside the kernel that keeps any size within CUDA's grid
+    limits) and small tiles (many per row): still the reference, bit for bit."""
+    from simplefsdp.kernels import launch, triton_copy
+
+    triton_device, _ = triton_device
+    world, _, shapes, src, dst, seed = bucket
+    grads = _params(shapes, src, seed)
+    chunks = _chunks(shapes, world)
+    out = torch.full((world * sum(chunks),), float("nan"), dtype=dst, device=triton_device)
+    flat = [g.reshape(-1).to(triton_device) for g in grads]
+    plan = launch.plan_launch(kind="pack", chunks=chunks, numels=[g.numel() for g in grads], rows=world, block=block,
+                            max_programs=programs)  # fmt: skip
+    triton_copy.launch_bucket(plan, flat, [out] * len(flat), scale=0.5)
+    _close_or_one_ulp(out.cpu(), reference.reduce_scatter_copy_in(grads, world, dst, 0.5), triton_device == "cpu")
+
+    gathered = out.to(src)
+    outs = [torch.full((math.prod(s),), float("nan"), dtype=src, device=triton_device) for s in shapes]
+    plan = launch.plan_launch(kind="unpack", chunks=chunks, numels=[o.numel() for o in outs], rows=world, block=block,
+                              max_programs=programs)  # fmt: skip
+    triton_copy.launch_bucket(plan, [gathered] * len(outs), outs)
+    for o, e in zip(outs, reference.all_gather_copy_out(gathered.cpu(), chunks, shapes, world), strict=True):
+        assert torch.equal(o.cpu(), e.reshape(-1))
