@@ -53,6 +53,13 @@ SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what the op
 
 _log = logging.getLogger(__name__)
 
+# [Note: not inside CUDA graphs]
+# The Triton path hands the kernel a table of data pointers that it builds on the host and copies to
+# the device at every call (`triton_copy.py`). A CUDA graph would capture one call's copy and replay
+# it with stale addresses, so the ops are tagged `cudagraph_unsafe`: under
+# `torch.compile(mode="reduce-overhead")` inductor leaves them (and runs the rest in CUDA graphs).
+_TAGS = (torch.Tag.cudagraph_unsafe,)
+
 
 def _use_triton(t: torch.Tensor) -> bool:
     """[Note: kernel selection]
@@ -165,7 +172,7 @@ def _cpu_reduce_scatter_copy_in(
 # --- all-gather copy-in -------------------------------------------------------------------------
 
 
-@torch.library.custom_op("simplefsdp::all_gather_copy_in", mutates_args=())
+@torch.library.custom_op("simplefsdp::all_gather_copy_in", mutates_args=(), tags=_TAGS)
 def all_gather_copy_in(
     shards: list[torch.Tensor], chunks: list[int], dtype: torch.dtype, world: int, rank: int
 ) -> torch.Tensor:
@@ -201,7 +208,7 @@ def _(shards, chunks, dtype, world, rank):
 # --- all-gather copy-out ------------------------------------------------------------------------
 
 
-@torch.library.custom_op("simplefsdp::all_gather_copy_out", mutates_args=())
+@torch.library.custom_op("simplefsdp::all_gather_copy_out", mutates_args=(), tags=_TAGS)
 def all_gather_copy_out(
     gathered: torch.Tensor, chunks: list[int], sizes: list[int], ndims: list[int], world: int
 ) -> list[torch.Tensor]:
@@ -232,7 +239,7 @@ def _(gathered, chunks, sizes, ndims, world):
 # --- reduce-scatter copy-in ---------------------------------------------------------------------
 
 
-@torch.library.custom_op("simplefsdp::reduce_scatter_copy_in", mutates_args=())
+@torch.library.custom_op("simplefsdp::reduce_scatter_copy_in", mutates_args=(), tags=_TAGS)
 def reduce_scatter_copy_in(grads: list[torch.Tensor], world: int, dtype: torch.dtype, scale: float) -> torch.Tensor:
     """The `[world * bucket]` reduce-scatter input: gradients cast (times `scale`), padded, rank chunks interleaved."""
     _check_tensors("grads", grads)

@@ -156,6 +156,14 @@ def test_ops_trace_under_compile():
     assert torch.equal(out[1], b.bfloat16())
 
 
+def test_ops_stay_out_of_cuda_graphs():
+    """[Note: not inside CUDA graphs]: each op's Triton path copies a fresh pointer table per call."""
+    from simplefsdp.kernels import copy_ops
+
+    for op in (copy_ops.ALL_GATHER_COPY_IN, copy_ops.ALL_GATHER_COPY_OUT, copy_ops.REDUCE_SCATTER_COPY_IN):
+        assert torch.Tag.cudagraph_unsafe in op.tags, op
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_channels_last_convolution_weights(dtype):
     """Inductor hands conv weights and their gradients over channels-last; the ops read them in
@@ -257,7 +265,7 @@ def test_triton_grid_stride_loop_covers_every_tile(triton_device, bucket, progra
     grads = _params(shapes, src, seed)
     chunks = _chunks(shapes, world)
     out = torch.full((world * sum(chunks),), float("nan"), dtype=dst, device=triton_device)
-    flat = [g.reshape(-1).to(triton_device) for g in grads]
+    flat = [g.contiguous().view(-1).to(triton_device) for g in grads]  # the kernel reads flat memory
     plan = launch.plan_launch(kind="pack", chunks=chunks, numels=[g.numel() for g in grads], rows=world, block=block,
                             max_programs=programs)  # fmt: skip
     triton_copy.launch_bucket(plan, flat, [out] * len(flat), scale=0.5)
