@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
 import re
 import statistics
 import subprocess
@@ -40,12 +41,22 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 
-import kernels as kernel_bench  # bench/kernels.py (bench/ is first on the path when run as a script)
 import simplefsdp
 from simplefsdp._compat import inductor_config, init_fake_process_group
 from simplefsdp.models import Transformer, TransformerArgs
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def _load_kernel_bench():
+    """`bench/kernels.py` by its path: the name `kernels` alone could resolve to the package's kernels/."""
+    spec = importlib.util.spec_from_file_location("simplefsdp_bench_kernels", ROOT / "bench" / "kernels.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+kernel_bench = _load_kernel_bench()
 VOCAB = 128_256
 WORLD = 8
 
