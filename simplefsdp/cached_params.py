@@ -28,11 +28,11 @@ specialised on the parameter's name, until it hits its recompile limit and falls
 with a warning about recompiles. So a wrapped RNN's forward runs eagerly on purpose
 (`torch.compiler.disable`): its weights are gathered once per call (DTensor collectives, one per
 weight) and their gradients reduced the same way, outside the passes' buckets, and the rest of the
-model compiles around it, once per input shape. On CUDA, cuDNN then packs the gathered weights into
-its own buffer at each call (torch warns that they are not one contiguous chunk): one more copy of
-the layer's weights per call, not measured here (no GPU has been available). `wrap()` says so in
-one warning naming the modules (`warn_about_eager_modules`). A recurrence written with
-`nn.LSTMCell` / `nn.GRUCell` in a loop is traced and compiled like any other module.
+model compiles around it, once per input shape. `wrap()` says so in one warning naming the modules
+(`warn_about_eager_modules`). A recurrence written with `nn.LSTMCell` / `nn.GRUCell` in a loop is
+traced and compiled like any other module. On CUDA, cuDNN packs the gathered weights into its own
+buffer at each call (torch warns that they are not one contiguous chunk): one more copy of the
+layer's weights per call, not measured here (no GPU has been available).
 """
 
 from __future__ import annotations
