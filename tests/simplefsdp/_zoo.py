@@ -289,21 +289,21 @@ def train_reference(name: str, world: int) -> Result:
 
 
 def sync_batchnorm_check() -> str:
-    """A ResNet converted to `nn.SyncBatchNorm`, wrapped and compiled: in eval mode it computes what
-    the unwrapped BatchNorm model does; returns the error a training-mode forward raises on the CPU."""
+    """A ResNet converted to `nn.SyncBatchNorm`, wrapped: in eval mode it computes what the unwrapped
+    BatchNorm model does; returns the error a training-mode forward raises on the CPU. Eager: the
+    compiled ResNet is `train_simplefsdp("resnet")`'s, and SyncBatchNorm adds nothing to trace in eval."""
     world = dist.get_world_size()
     model = simplefsdp.wrap(
         nn.SyncBatchNorm.convert_sync_batchnorm(_fresh(ZOO["resnet"])), init_device_mesh("cpu", (world,))
     )
     assert isinstance(model.stem[1], nn.SyncBatchNorm)
     assert isinstance(model.stem[1]._parameters["weight"], DTensor), "sharded like BatchNorm's"
-    step_fn = torch.compile(model, fullgraph=True)
     x, _ = _batches(ZOO["resnet"])[0]
     reference = _fresh(ZOO["resnet"]).eval()
-    torch.testing.assert_close(step_fn.eval()(x), reference(x))
+    torch.testing.assert_close(model.eval()(x), reference(x))
     try:
-        step_fn.train()(x)
-    except Exception as e:  # under fullgraph dynamo re-raises torch's ValueError as its own error
+        model.train()(x)
+    except ValueError as e:
         return str(e)
     return ""
 

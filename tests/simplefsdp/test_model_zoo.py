@@ -49,7 +49,6 @@ def test_trains_like_one_process(ranks2, name):
     assert (ours.plan, ours.blocks) == (("blocks", spec.blocks) if spec.blocks else ("cap", ())), name
 
 
-@pytest.mark.slow
 def test_sync_batchnorm_composes(ranks2):
     """`nn.SyncBatchNorm.convert_sync_batchnorm` before `wrap`: its parameters are sharded and
     gathered like BatchNorm's, and eval mode matches one process. Training mode needs torch's
