@@ -1,4 +1,7 @@
-"""The bucketing pass on inductor post-grad graphs (world 8, fake process group)."""
+"""The bucketing pass on inductor post-grad graphs (world 8, fake process group); the plan-counting
+tests marked `aot_eager` record the same partitioned graphs under `simplefsdp_aot_eager` instead (the
+pass runs on them as a post-grad pass, without inductor's decompositions and code generation, which
+would cost them most of their time; `test_overlap.py` counts the default plan through inductor)."""
 
 from __future__ import annotations
 
@@ -18,25 +21,25 @@ from simplefsdp.passes.fsdp_pass import BucketConfig, FsdpPass, PassConfig
 from simplefsdp.passes.install import pass_of
 from simplefsdp.passes.reorder import ReorderConfig
 
+AOT_EAGER = "simplefsdp_aot_eager"
 ARGS = TransformerArgs(vocab_size=67, dim=32, n_layers=2, n_heads=4, ffn_dim=88, max_seq_len=16)
 N_PARAMS = len(list(Transformer(ARGS).parameters()))
 
 
-def _bucketed_graphs(strategy: str, config: BucketConfig, args: TransformerArgs = ARGS):
+def _bucketed_graphs(strategy: str, config: BucketConfig, args: TransformerArgs = ARGS, *, backend: str = "inductor"):
     parsed = simplefsdp.ShardingStrategy.parse(strategy)
     mesh = init_device_mesh("cpu", (2, 4) if parsed.is_hybrid else (8,))
     torch.manual_seed(0)
     model = simplefsdp.wrap(Transformer(args), mesh, strategy=parsed, passes=None)  # the pass under test runs instead
     tokens = torch.randint(0, args.vocab_size, (2, 8))
-    return record_step(
-        model, lambda compiled: compiled(tokens).sum(), graph_pass=FsdpPass(PassConfig(bucket=config))
-    ).post
+    graph_pass = FsdpPass(PassConfig(bucket=config))
+    return record_step(model, lambda compiled: compiled(tokens).sum(), graph_pass=graph_pass, backend=backend).post
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["FULL_SHARD", "HYBRID_SHARD"])
 def test_one_bucket_per_kind_when_everything_fits(fake_world8, strategy):
-    forward, backward = _bucketed_graphs(strategy, BucketConfig(plan="cap", cap_bytes=2**30))
+    forward, backward = _bucketed_graphs(strategy, BucketConfig(plan="cap", cap_bytes=2**30), backend=AOT_EAGER)
     fwd, bwd = collective_counts(forward), collective_counts(backward)
     assert fwd["all_gather"] == 1
     assert bwd["all_gather"] == 1, "the re-gathers merge too"
@@ -54,7 +57,7 @@ L8 = TransformerArgs(vocab_size=67, dim=32, n_layers=8, n_heads=4, ffn_dim=88, m
 def test_default_block_plan_one_bucket_per_block_plus_rest(fake_world8, world):
     """L = 8 blocks: L + 1 all-gathers forward, L + 1 re-gathers and L + 1 reduce-scatters backward."""
     blocks = tuple(find_repeated_blocks(Transformer(L8)))
-    forward, backward = _bucketed_graphs("FULL_SHARD", BucketConfig(blocks=blocks), L8)
+    forward, backward = _bucketed_graphs("FULL_SHARD", BucketConfig(blocks=blocks), L8, backend=AOT_EAGER)
     fwd, bwd = collective_counts(forward), collective_counts(backward)
     assert fwd["all_gather"] == L8.n_layers + 1
     assert bwd["all_gather"] == L8.n_layers + 1
@@ -64,7 +67,8 @@ def test_default_block_plan_one_bucket_per_block_plus_rest(fake_world8, world):
 @pytest.mark.slow
 def test_manual_pattern_plan(fake_world8):
     patterns = ("tok_embeddings", "layers.*", "norm+output")
-    forward, backward = _bucketed_graphs("FULL_SHARD", BucketConfig(plan="patterns", patterns=patterns), L8)
+    plan = BucketConfig(plan="patterns", patterns=patterns)
+    forward, backward = _bucketed_graphs("FULL_SHARD", plan, L8, backend=AOT_EAGER)
     assert collective_counts(forward)["all_gather"] == 1 + L8.n_layers + 1
     assert collective_counts(backward)["reduce_scatter"] == 1 + L8.n_layers + 1
 
