@@ -15,15 +15,13 @@ import transformers
 import simplefsdp
 from simplefsdp.models import Transformer, TransformerArgs
 from simplefsdp.strategy import ShardingStrategy
+from tests.hf._tiny import llama_config
 
 S = ShardingStrategy
 
 
 def _llama() -> transformers.LlamaForCausalLM:
-    config = transformers.LlamaConfig(
-        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2
-    )
-    return transformers.LlamaForCausalLM(config)
+    return transformers.LlamaForCausalLM(llama_config())
 
 
 @pytest.mark.parametrize(
