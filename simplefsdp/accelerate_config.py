@@ -44,7 +44,7 @@ from simplefsdp.passes.fsdp_pass import BucketConfig, PassConfig
 from simplefsdp.passes.reorder import ReorderConfig
 from simplefsdp.strategy import ShardingStrategy
 
-__all__ = ["AccelerateSettings", "from_accelerate"]
+__all__ = ["AccelerateSettings", "blocks_of_classes", "from_accelerate"]
 
 logger = logging.getLogger(__name__)
 
@@ -303,28 +303,39 @@ def _fsdp_section(fsdp: Mapping[str, Any], notes: list[str]) -> dict[str, Any]:
     }
 
 
-def _resolve(settings: AccelerateSettings, model: nn.Module) -> AccelerateSettings:
-    """`settings` with the layer classes found in `model` (innermost modules first)."""
-    classes = settings.layer_classes
-    if not classes and settings.bucket.plan == "blocks":
-        classes = tuple(getattr(model, "_no_split_modules", None) or ())  # what Accelerate wraps when none are named
-        if not all(isinstance(name, str) for name in classes):
-            classes = ()
-    found = {name: [] for name in classes}
+def blocks_of_classes(model: nn.Module, classes: tuple[str, ...] | list[str]) -> tuple[str, ...]:
+    """FQNs of `model`'s modules whose class is named in `classes`, innermost first (model order
+    within a depth): a parameter joins the first listed block containing it, so a nested match keeps
+    its own bucket, as FSDP wraps it. `ValueError` naming every class no module has."""
+    found: dict[str, list[str]] = {name: [] for name in classes}
     for fqn, module in model.named_modules():
         name = user_class(module).__name__
         if name in found and fqn:
             found[name].append(fqn)
-    missing = [name for name in settings.layer_classes if not found.get(name)]
+    missing = [name for name, fqns in found.items() if not fqns]
     if missing:
         present = sorted({user_class(m).__name__ for m in model.modules()})
         raise ValueError(
-            f"fsdp_transformer_layer_cls_to_wrap: no module of class {', '.join(missing)} in "
+            f"no module of class {', '.join(missing)} in "
             f"{user_class(model).__name__} (its classes: {', '.join(present)})"
         )
-    fqns = [fqn for names in found.values() for fqn in names]
-    blocks = tuple(sorted(fqns, key=lambda fqn: -fqn.count(".")))  # stable: model order within a depth
-    return dataclasses.replace(settings, layer_classes=classes if fqns else (), blocks=blocks)
+    return tuple(sorted((f for fqns in found.values() for f in fqns), key=lambda fqn: -fqn.count(".")))
+
+
+def _resolve(settings: AccelerateSettings, model: nn.Module) -> AccelerateSettings:
+    """`settings` with the layer classes found in `model`."""
+    if settings.layer_classes:
+        try:
+            blocks = blocks_of_classes(model, settings.layer_classes)
+        except ValueError as err:
+            raise ValueError(f"fsdp_transformer_layer_cls_to_wrap: {err}") from None
+        return dataclasses.replace(settings, blocks=blocks)
+    names = getattr(model, "_no_split_modules", None) or ()  # what Accelerate wraps when none are named
+    present = {user_class(m).__name__ for m in model.modules()}
+    names = tuple(n for n in names if isinstance(n, str) and n in present)
+    if settings.bucket.plan != "blocks" or not names:
+        return dataclasses.replace(settings, blocks=())
+    return dataclasses.replace(settings, layer_classes=names, blocks=blocks_of_classes(model, names))
 
 
 def from_accelerate(
