@@ -22,8 +22,10 @@ have done is then ours to do or to refuse, by name, at construction: `torch_comp
 compiles the model in place, `model.compile()`, with the arguments' backend and mode), `bf16` / `fp16`
 autocast (refused: `wrap(mp_policy=...)` casts the gathers instead), and the Trainer's own `fsdp`,
 `deepspeed` and `gradient_checkpointing` / `activation_checkpointing` (refused: the model is sharded already; use
-`simplefsdp.checkpoint_blocks`). Gradient accumulation needs nothing: without DDP, Accelerate's
-`no_sync` is a no-op and each micro-batch's gradients are reduced and summed (as DDP's sum).
+`simplefsdp.checkpoint_blocks`), and `load_best_model_at_end` (its loading runs on rank 0 alone).
+Gradient accumulation needs nothing: `Accelerator.no_sync` (accelerate 1.15) is a no-op for a model
+without a `no_sync` method, so each micro-batch's gradients are reduced and summed, as DDP's
+synchronized sum would be (read in the source; not run).
 
 [Note: what a Trainer checkpoint holds]
 The Trainer saves and loads on rank 0 only, which cannot gather sharded parameters (the others
@@ -69,6 +71,7 @@ _REFUSED = {
     "deepspeed": "the model is sharded by simplefsdp already",
     "gradient_checkpointing": "use simplefsdp.checkpoint_blocks(model) before compiling",
     "activation_checkpointing": "use simplefsdp.checkpoint_blocks(model) before compiling",
+    "load_best_model_at_end": "the Trainer's best-model loading is not collective; not supported yet",
 }
 
 

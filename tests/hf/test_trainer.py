@@ -80,6 +80,10 @@ def wrapped(fake_world8):
         ({"bf16": True}, "TrainingArguments.bf16=True cannot be used: autocast"),
         ({"activation_checkpointing": True}, "checkpointing=True cannot be used: use simplefsdp.checkpoint_blocks"),
         ({"fsdp": "full_shard"}, "TrainingArguments.fsdp=.* sharded by simplefsdp already"),
+        (
+            {"load_best_model_at_end": True, "eval_strategy": "steps", "save_strategy": "steps"},
+            "load_best_model_at_end=True cannot be used: the Trainer's best-model loading is not collective",
+        ),
     ],
 )
 def test_arguments_that_would_act_on_the_model_again_are_refused(wrapped, tmp_path, setting, named):
