@@ -16,3 +16,17 @@ SIZES = {
 
 def llama_config(**overrides: object) -> transformers.LlamaConfig:
     return transformers.LlamaConfig(**{**SIZES, **overrides})
+
+
+def llama() -> transformers.LlamaForCausalLM:
+    """`simplefsdp train --model tests.hf._tiny:llama`."""
+    return transformers.LlamaForCausalLM(llama_config())
+
+
+def encoder() -> transformers.BertModel:
+    """A model that is not a causal LM."""
+    return transformers.BertModel(
+        transformers.BertConfig(
+            vocab_size=64, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32
+        )
+    )

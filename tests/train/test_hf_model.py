@@ -105,6 +105,15 @@ def test_tokens_are_characters_or_the_directory_tokenizer(llama_dir):
     assert ids.tolist() == [1 + words.index(w) for w in CORPUS.split()]
 
 
+def test_a_module_function_builds_the_model(capsys):
+    model = hf_model.build("tests.hf._tiny:llama")
+    assert isinstance(model, transformers.LlamaForCausalLM)
+    assert torch.equal(hf_model.corpus_ids("tests.hf._tiny:llama", model), encode(CORPUS))
+    assert "--model tests.hf._tiny:encoder returned a BertModel, not a causal LM" in _error(
+        capsys, "--model", "tests.hf._tiny:encoder"
+    )
+
+
 def test_an_accelerate_file_sets_the_flags_flags_override_it(tmp_path):
     path = tmp_path / "accelerate.yaml"
     path.write_text(ACCELERATE_YAML)
