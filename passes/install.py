@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
+import inspect
 import types
 import warnings
 from collections.abc import Callable, Iterator, Sequence
@@ -217,6 +218,9 @@ def _compiling_class(cls: type[nn.Module], pass_key: str) -> type[nn.Module]:
             _leave(stack)
 
     forward.__doc__ = original_forward.__doc__
+    # what `inspect.signature` reports: the original's, for callers that read it (Hugging Face's
+    # Trainer keeps only the dataset columns the model's `forward` names)
+    forward.__signature__ = inspect.signature(original_forward)
     return subclass(
         cls, adds="PassOnCompile", attrs={"forward": eager_top_frame(forward), "__module__": cls.__module__}
     )

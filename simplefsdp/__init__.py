@@ -4,6 +4,7 @@ model = simplefsdp.wrap(model, mesh)   # parameters become sharded DTensors
 model = torch.compile(model)           # all-gathers / reduce-scatters are traced into the graph
 """
 
+from simplefsdp.accelerate_config import AccelerateSettings, from_accelerate
 from simplefsdp.accumulate import no_sync, reduce_pending
 from simplefsdp.activation_checkpoint import checkpoint_blocks
 from simplefsdp.materialize import materialize
@@ -16,12 +17,14 @@ from simplefsdp.strategy import ShardingStrategy
 from simplefsdp.wrap import wrap
 
 __all__ = [
+    "AccelerateSettings",
     "BucketConfig",
     "MixedPrecisionPolicy",
     "PassConfig",
     "ReorderConfig",
     "ShardingStrategy",
     "checkpoint_blocks",
+    "from_accelerate",
     "materialize",
     "no_sync",
     "reduce_pending",

@@ -155,6 +155,12 @@ def root_mesh(mesh):
     return mesh._get_root_mesh()
 
 
+def compiled_in_place(module: torch.nn.Module) -> bool:
+    """Whether `module.compile()` (in place) was called on `module`. `nn.Module._compiled_call_impl`:
+    checked on 2.13 (set by `compile()`, None before)."""
+    return getattr(module, "_compiled_call_impl", None) is not None
+
+
 def unwrap_compiled(module: torch.nn.Module) -> torch.nn.Module:
     """The module itself for what `torch.compile(module)` returned (an `OptimizedModule`, whose state-dict
     keys would carry an `_orig_mod.` prefix), else `module`. `OptimizedModule._orig_mod`: checked on 2.13."""
@@ -298,6 +304,7 @@ __all__ = [
     "aot_autograd",
     "c10d_functional",
     "chunk_cat",
+    "compiled_in_place",
     "eager_top_frame",
     "flop_registry",
     "foreach_copy_",

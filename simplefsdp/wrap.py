@@ -30,7 +30,7 @@ from simplefsdp.strategy import ShardingStrategy
 from simplefsdp.tensor_parallel import TensorParallelLayout, check_tensor_parallel, shard_tensor_parallel
 from simplefsdp.tied import install_scope
 
-__all__ = ["wrap"]
+__all__ = ["is_wrapped_root", "wrap"]
 
 logger = logging.getLogger(__name__)
 
@@ -108,6 +108,11 @@ def wrap(
         mp_policy,
     )
     return model
+
+
+def is_wrapped_root(model: nn.Module) -> bool:
+    """Whether `model` is a module `wrap()` was called on."""
+    return bool(getattr(model, _ROOT_ATTR, False))
 
 
 def _check_arguments(

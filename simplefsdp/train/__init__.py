@@ -4,8 +4,8 @@
     outcome = launch(TrainConfig(steps=20, n_layers=2))   # spawns 2 gloo ranks (or uses torchrun's)
 
 Files: `config.py` (settings, TOML, flags), `data.py` (embedded corpus, resumable batches),
-`loop.py` (model, steps, checkpoints), `comm.py` (the communication summary), `launch.py`
-(torchrun or spawn), `cli.py` (the command).
+`loop.py` (model, steps, checkpoints), `hf_model.py` (`--model`: Hugging Face causal LMs, `--init-from`),
+`comm.py` (the communication summary), `launch.py` (torchrun or spawn), `cli.py` (the command).
 """
 
 from simplefsdp.train.config import ConfigError, TrainConfig, parse_args

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import logging
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -30,7 +31,9 @@ except ImportError:  # Python 3.10
     import tomli as tomllib
 from simplefsdp.strategy import ShardingStrategy
 
-__all__ = ["DTYPES", "ConfigError", "TrainConfig", "check_world", "load_toml", "parse_args"]
+__all__ = ["DTYPES", "ConfigError", "TrainConfig", "check_world", "load_accelerate", "load_toml", "parse_args"]
+
+logger = logging.getLogger(__name__)
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -47,14 +50,18 @@ def _field(default: Any, text: str, choices: tuple[str, ...] | None = None) -> A
 class TrainConfig:
     """One training run. Sizes are per data-parallel rank unless they say otherwise."""
 
-    # model (a Llama-style decoder, simplefsdp.models.Transformer; the vocabulary is the corpus's characters)
+    # model: a Hugging Face causal LM (--model), or a Llama-style decoder (simplefsdp.models.Transformer,
+    # the vocabulary the corpus's characters) sized by the next five settings
+    model: str = _field("", "a transformers causal LM: a directory holding config.json, or module:function")
+    init_from: str = _field("", "initial weights: a safetensors checkpoint in the Hugging Face layout")
+    layer_classes: str = _field("", "comma-separated module class names: one bucket (and checkpoint) per module")
     dim: int = _field(128, "model width")
     n_layers: int = _field(4, "transformer blocks")
     n_heads: int = _field(4, "attention heads")
     ffn_dim: int = _field(344, "MLP hidden width")
     seq_len: int = _field(64, "tokens per sequence")
     # training
-    steps: int = _field(100, "total optimizer steps (a resumed run continues up to this count)")
+    steps: int = _field(100, "total optimizer steps (a resumed run continues up to this count); 0: load, export")
     batch_per_rank: int = _field(8, "sequences per data-parallel rank per step")
     lr: float = _field(3e-3, "AdamW learning rate")
     seed: int = _field(0, "seed of the initialisation and of the batch order")
@@ -81,6 +88,7 @@ class TrainConfig:
     checkpoint_every: int = _field(50, "save every N steps (and at the end); 0: only at the end")
     keep_last: int = _field(2, "checkpoints kept")
     resume: bool = _field(False, "continue from the newest checkpoint in checkpoint_dir (if any)")
+    export_dir: str = _field("", "at the end, write the full weights here as safetensors (a model directory)")
     metrics_file: str = _field("", "append one JSON line per step (step, loss, tokens/s) to this file")
     progress: bool = _field(True, "progress bar on rank 0 (else one log line per 10 steps)")
     verbose: bool = _field(False, "every rank's warnings, and torch's warnings known benign for this model")
@@ -90,17 +98,21 @@ class TrainConfig:
             value = getattr(self, f.name)
             if f.metadata["choices"] and value not in f.metadata["choices"]:
                 raise ConfigError(f"{f.name} must be one of {', '.join(f.metadata['choices'])}; got {value!r}")
-        positive = ("dim", "n_layers", "n_heads", "ffn_dim", "seq_len", "steps", "batch_per_rank", "tp", "keep_last")
+        positive = ("dim", "n_layers", "n_heads", "ffn_dim", "seq_len", "batch_per_rank", "tp", "keep_last")
         for name in positive:
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1; got {getattr(self, name)}")
-        for name in ("nproc", "shard_size", "checkpoint_every", "prefetch_depth"):
+        for name in ("steps", "nproc", "shard_size", "checkpoint_every", "prefetch_depth"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0; got {getattr(self, name)}")
         if self.lr <= 0 or self.bucket_cap_mib <= 0:
             raise ConfigError(f"lr and bucket_cap_mib must be positive; got {self.lr} and {self.bucket_cap_mib}")
         if self.dim % self.n_heads or (self.dim // self.n_heads) % 2:
             raise ConfigError(f"dim ({self.dim}) must be n_heads ({self.n_heads}) times an even head dim")
+        if self.steps == 0 and not self.export_dir:
+            raise ConfigError("steps 0 (load, then export) needs export_dir")
+        if self.model and self.tp > 1:
+            raise ConfigError(f"tp ({self.tp}) is for the built-in model; --model trains with data parallelism only")
         if self.n_heads % self.tp or self.ffn_dim % self.tp:
             raise ConfigError(f"tp ({self.tp}) must divide n_heads ({self.n_heads}) and ffn_dim ({self.ffn_dim})")
         if self.memory_budget:
@@ -182,7 +194,11 @@ def build_parser() -> argparse.ArgumentParser:
         description="Train a Llama-style model with simplefsdp + torch.compile (see simplefsdp/train/).",
         argument_default=argparse.SUPPRESS,  # absent flags leave the file's / default values alone
     )
-    parser.add_argument("--config", help="a TOML file of these settings (flat, snake_case keys); flags override it")
+    parser.add_argument(
+        "--config",
+        help="a TOML file of these settings (flat, snake_case keys) or an Accelerate FSDP config (.yaml); "
+        "flags override it",
+    )
     for name, f in _fields().items():
         flag, kind = "--" + name.replace("_", "-"), _TYPES[f.type]
         text = f"{f.metadata['help']} (default: {f.default})"
@@ -200,11 +216,38 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def load_accelerate(path: str | Path) -> dict[str, Any]:
+    """The settings an Accelerate config file asks for (`simplefsdp.from_accelerate`), as fields."""
+    from simplefsdp.accelerate_config import from_accelerate
+
+    try:
+        accel = from_accelerate(path)
+    except (ValueError, TypeError) as err:
+        raise ConfigError(f"Accelerate config {path}: {err}") from None
+    settings: dict[str, Any] = {"strategy": accel.strategy.value, "prefetch_depth": accel.reorder.prefetch_depth}
+    if accel.mp_policy is not None:
+        names = {dtype: name for name, dtype in DTYPES.items()}
+        settings.update(
+            param_dtype=names[accel.mp_policy.param_dtype], reduce_dtype=names[accel.mp_policy.reduce_dtype]
+        )
+    if accel.bucket.plan == "cap":
+        settings.update(bucket_plan="cap", bucket_cap_mib=accel.bucket.cap_bytes / 2**20)
+    if accel.layer_classes:
+        settings["layer_classes"] = ",".join(accel.layer_classes)
+    if accel.activation_checkpointing:
+        settings["activation_checkpoint"] = "full"
+    if accel.state_dict == "full":
+        logger.info(
+            "%s: FULL_STATE_DICT: checkpoints stay sharded (for --resume); --export-dir writes full weights", path
+        )
+    return settings
+
+
 def parse_args(argv: Sequence[str]) -> TrainConfig:
-    """Defaults, then the `--config` file, then the flags."""
+    """Defaults, then the `--config` file (TOML, or an Accelerate YAML file), then the flags."""
     values = vars(build_parser().parse_args(list(argv)))
     path = values.pop("config", None)
-    settings = load_toml(path) if path else {}
+    settings = {} if not path else load_accelerate(path) if str(path).endswith((".yaml", ".yml")) else load_toml(path)
     settings.update(values)
     try:
         return TrainConfig(**settings)

@@ -41,13 +41,23 @@ def encode(text: str) -> torch.Tensor:
 class TokenBatches:
     """`[batch_per_rank, seq_len + 1]` windows of the corpus for one data-parallel rank, batch after batch."""
 
-    def __init__(self, *, seq_len: int, batch_per_rank: int, dp_rank: int, dp_size: int, seed: int) -> None:
-        if seq_len + 1 >= len(CORPUS):
-            raise ValueError(f"seq_len ({seq_len}) must be shorter than the corpus ({len(CORPUS)} characters)")
+    def __init__(
+        self,
+        *,
+        seq_len: int,
+        batch_per_rank: int,
+        dp_rank: int,
+        dp_size: int,
+        seed: int,
+        ids: torch.Tensor | None = None,
+    ) -> None:
+        """`ids`: the corpus as token ids (`[N]`, int64); None: its characters (`encode(CORPUS)`)."""
+        self._ids = encode(CORPUS) if ids is None else ids
+        if seq_len + 1 >= len(self._ids):
+            raise ValueError(f"seq_len ({seq_len}) must be shorter than the corpus ({len(self._ids)} tokens)")
         self.seq_len, self.batch_per_rank, self.seed = seq_len, batch_per_rank, seed
         self.dp_rank, self.dp_size = dp_rank, dp_size
         self.position = 0  # batches drawn so far
-        self._ids = encode(CORPUS)
 
     def __iter__(self) -> TokenBatches:
         return self

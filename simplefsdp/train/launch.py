@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from simplefsdp.ranks import run_on_ranks, spawn_world, under_torchrun
 from simplefsdp.train.config import ConfigError, TrainConfig, check_world
-from simplefsdp.train.loop import TrainOutcome, check_fresh_start, train
+from simplefsdp.train.loop import TrainOutcome, check_fresh_start, check_model, train
 
 __all__ = ["launch"]
 
@@ -30,6 +30,7 @@ def launch(config: TrainConfig) -> TrainOutcome | None:
     if not under_torchrun():  # fail before spawning; the ranks check again (under torchrun too)
         check_world(config, spawn_world(config.nproc, device_type))
         check_fresh_start(config)
+        check_model(config)
     return run_on_ranks(
         functools.partial(_train_rank, config),
         nproc=config.nproc,

@@ -33,17 +33,18 @@ from tqdm import tqdm
 
 import simplefsdp
 from simplefsdp import checkpoint
+from simplefsdp.accelerate_config import blocks_of_classes
 from simplefsdp.inspect.record import recording
 from simplefsdp.models import Transformer, TransformerArgs, tensor_parallel_plan
 from simplefsdp.passes import cost
 from simplefsdp.passes.fsdp_pass import parse_memory_budget
 from simplefsdp.passes.install import pass_of
-from simplefsdp.train import comm
+from simplefsdp.train import comm, hf_model
 from simplefsdp.train.config import DTYPES, ConfigError, TrainConfig
-from simplefsdp.train.data import VOCAB, TokenBatches
+from simplefsdp.train.data import CORPUS, VOCAB, TokenBatches
 from simplefsdp.train.quiet import drop_benign_torch_warnings
 
-__all__ = ["TrainOutcome", "build_model", "train"]
+__all__ = ["TrainOutcome", "build_model", "check_model", "train"]
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +68,7 @@ class TrainSetup:
     step_fn: nn.Module  # what the loop calls: compiled, or the model itself in eager mode
     dp_rank: int
     dp_size: int
+    corpus: torch.Tensor | None  # the corpus in the model's tokens; None: the built-in model's characters
 
 
 def _meshes(config: TrainConfig, device_type: str) -> tuple[DeviceMesh, DeviceMesh | None, int, int]:
@@ -91,13 +93,16 @@ def _meshes(config: TrainConfig, device_type: str) -> tuple[DeviceMesh, DeviceMe
     return dp_mesh, world["tp"] if config.tp > 1 else None, dp_rank, dp
 
 
-def _passes(config: TrainConfig, profile: str) -> simplefsdp.PassConfig | None:
+def _passes(config: TrainConfig, profile: str, blocks: tuple[str, ...]) -> simplefsdp.PassConfig | None:
     if config.bucket_plan == "none":
         return None
     cap = int(config.bucket_cap_mib * 2**20)
     budget = parse_memory_budget(config.memory_budget) if config.memory_budget else None
+    bucket = simplefsdp.BucketConfig(
+        plan=config.bucket_plan, cap_bytes=cap, device=profile, memory_budget=budget, blocks=blocks
+    )
     return simplefsdp.PassConfig(
-        bucket=simplefsdp.BucketConfig(plan=config.bucket_plan, cap_bytes=cap, device=profile, memory_budget=budget),
+        bucket=bucket,
         reorder=simplefsdp.ReorderConfig(prefetch_depth=config.prefetch_depth),
     )
 
@@ -108,9 +113,12 @@ def profile_name(config: TrainConfig, device: torch.device) -> str:
     return "h100" if device.type == "cuda" else "cpu-gloo"
 
 
-def build_model(config: TrainConfig, device: torch.device) -> TrainSetup:
-    """The wrapped (and compiled) model, the same on every rank for a given seed."""
-    dp_mesh, tp_mesh, dp_rank, dp_size = _meshes(config, device.type)
+def unwrapped_model(config: TrainConfig) -> tuple[nn.Module, torch.Tensor | None]:
+    """The model to train, with fresh weights on the current default device, and the corpus in its
+    tokens (None: the built-in model's characters)."""
+    if config.model:
+        model = hf_model.build(config.model)
+        return model, hf_model.corpus_ids(config.model, model)
     args = TransformerArgs(
         vocab_size=len(VOCAB),
         dim=config.dim,
@@ -119,13 +127,42 @@ def build_model(config: TrainConfig, device: torch.device) -> TrainSetup:
         ffn_dim=config.ffn_dim,
         max_seq_len=config.seq_len,
     )
+    return Transformer(args), None
+
+
+def layer_blocks(config: TrainConfig, model: nn.Module) -> tuple[str, ...]:
+    """The modules of `config.layer_classes` (empty: none named, the model's repeated blocks)."""
+    names = [name.strip() for name in config.layer_classes.split(",") if name.strip()]
+    try:
+        return blocks_of_classes(model, names) if names else ()
+    except ValueError as err:
+        raise ConfigError(f"layer_classes: {err}") from None
+
+
+def check_model(config: TrainConfig) -> None:
+    """The model's checks, on the meta device (no memory, no ranks): it builds, its tokens cover the
+    corpus at `seq_len`, its layer classes exist, the `--init-from` checkpoint fits it. ConfigError."""
+    with torch.device("meta"):
+        model, corpus = unwrapped_model(config)
+    layer_blocks(config, model)
+    length = len(corpus) if corpus is not None else len(CORPUS)
+    if config.seq_len + 1 >= length:
+        raise ConfigError(f"seq_len ({config.seq_len}) must be shorter than the corpus ({length} tokens)")
+    if config.init_from:
+        hf_model.check_weights(model, config.init_from)
+
+
+def build_model(config: TrainConfig, device: torch.device) -> TrainSetup:
+    """The wrapped (and compiled) model, the same on every rank for a given seed."""
+    dp_mesh, tp_mesh, dp_rank, dp_size = _meshes(config, device.type)
     torch.manual_seed(config.seed)
     with device:
-        model = Transformer(args)
+        model, corpus = unwrapped_model(config)
+    blocks = layer_blocks(config, model)
     if tp_mesh is not None:
         parallelize_module(model, tp_mesh, tensor_parallel_plan(model))
     if config.activation_checkpoint != "none":
-        simplefsdp.checkpoint_blocks(model, policy=config.activation_checkpoint)
+        simplefsdp.checkpoint_blocks(model, blocks=blocks or None, policy=config.activation_checkpoint)
         if not config.verbose:
             drop_benign_torch_warnings()
     reduce = None if config.reduce_dtype == "auto" else DTYPES[config.reduce_dtype]
@@ -134,13 +171,15 @@ def build_model(config: TrainConfig, device: torch.device) -> TrainSetup:
         dp_mesh,
         strategy=config.sharding,
         mp_policy=simplefsdp.MixedPrecisionPolicy(param_dtype=DTYPES[config.param_dtype], reduce_dtype=reduce),
-        passes=_passes(config, profile_name(config, device)),
+        passes=_passes(config, profile_name(config, device), blocks),
     )
+    if config.init_from:
+        hf_model.load_weights(model, config.init_from)
     if config.backend == "eager":
         step_fn = model
     else:
         step_fn = torch.compile(model, backend="simplefsdp_aot_eager" if config.backend == "aot_eager" else "inductor")
-    return TrainSetup(model=model, step_fn=step_fn, dp_rank=dp_rank, dp_size=dp_size)
+    return TrainSetup(model=model, step_fn=step_fn, dp_rank=dp_rank, dp_size=dp_size, corpus=corpus)
 
 
 def check_fresh_start(config: TrainConfig) -> None:
@@ -214,13 +253,17 @@ def train(config: TrainConfig, *, device: torch.device) -> TrainOutcome:
     check_fresh_start(config)
     setup = build_model(config, device)
     opt = torch.optim.AdamW(setup.model.parameters(), lr=config.lr)
-    batches = TokenBatches(
-        seq_len=config.seq_len,
-        batch_per_rank=config.batch_per_rank,
-        dp_rank=setup.dp_rank,
-        dp_size=setup.dp_size,
-        seed=config.seed,
-    )
+    try:
+        batches = TokenBatches(
+            seq_len=config.seq_len,
+            batch_per_rank=config.batch_per_rank,
+            dp_rank=setup.dp_rank,
+            dp_size=setup.dp_size,
+            seed=config.seed,
+            ids=setup.corpus,
+        )
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
     start = _resume(config, setup, opt, batches)
     out = _Output(config, start=start, enabled=dist.get_rank() == 0)
     try:
@@ -228,6 +271,10 @@ def train(config: TrainConfig, *, device: torch.device) -> TrainOutcome:
         out.write_metrics({"summary": _summary_record(outcome)})
     finally:
         out.close()
+    if config.export_dir:
+        checkpoint.export_full_state_dict(setup.model, config.export_dir)
+        if dist.get_rank() == 0 and config.model:
+            hf_model.save_config(setup.model, config.model, config.export_dir)
     return outcome
 
 
@@ -279,7 +326,8 @@ def _steps(
 
 
 def _forward_backward(step_fn: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
-    logits = step_fn(tokens[:, :-1])  # [B, S, V]
+    output = step_fn(tokens[:, :-1])
+    logits = getattr(output, "logits", output)  # [B, S, V]; a transformers model returns an output object
     loss = F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
     loss.backward()
     return loss.detach()

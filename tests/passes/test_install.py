@@ -197,3 +197,24 @@ def test_compiled_inside_a_larger_function_warns_unless_active(fake_world8):
     assert not [w for w in caught if "larger compiled function" in str(w.message)]
     assert pass_of(model).graphs == 2
     assert pass_of(model).merged > 0
+
+
+def test_the_wrapped_forward_keeps_its_signature(fake_world8):
+    """Callers that read `forward`'s parameters (Hugging Face's Trainer keeps the dataset columns the
+    model's `forward` names) see the model's own, not the pass wrapper's `(*args, **kwargs)`."""
+    import inspect
+
+    import torch
+
+    import simplefsdp
+
+    class Named(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = torch.nn.Linear(4, 4)
+
+        def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+            return self.linear(input_ids)
+
+    model = simplefsdp.wrap(Named())
+    assert list(inspect.signature(model.forward).parameters) == ["input_ids", "labels"]

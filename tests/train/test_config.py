@@ -37,7 +37,7 @@ def _write(tmp_path, text: str | None) -> str:
         (["--stepz", "3"], "unrecognized arguments: --stepz"),
         (["--steps", "x"], "argument --steps: invalid int value: 'x'"),
         (["--strategy", "ZERO9"], "argument --strategy: invalid choice: 'ZERO9'"),
-        (["--steps", "0"], "steps must be >= 1"),
+        (["--steps", "0"], "steps 0 (load, then export) needs export_dir"),
         (["--dim", "30"], "dim (30) must be n_heads (4) times an even head dim"),
         (["--tp", "3"], "tp (3) must divide n_heads"),
         (["--profile", "tpu9"], "profile: unknown device profile 'tpu9'"),
@@ -62,7 +62,8 @@ def test_bad_input_exits_2_naming_it(tmp_path, capsys, argv, expected):
         ('steps = "ten"\n', "steps must be int, got str 'ten'"),
         ("progress = 1\n", "progress must be bool, got int 1"),
         ("n_layer = 3\n", "unknown keys ['n_layer']"),
-        ("[model]\ndim = 64\n", "unknown keys ['model']"),
+        ("[optim]\nlr = 0.1\n", "unknown keys ['optim']"),
+        ("[model]\ndim = 64\n", "model must be str, got dict {'dim': 64}"),
         ("n_heads = 5\n", "dim (128) must be n_heads (5) times an even head dim"),
     ],
 )
