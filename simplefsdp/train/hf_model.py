@@ -4,6 +4,15 @@
     ids = corpus_ids(spec, model)          # the embedded corpus in this model's tokens
     load_weights(model, "ckpt/")           # --init-from: rank 0 reads, each rank gets its shards
 
+[Note: --init-from builds no full parameter]
+With `--init-from` the fresh weights would be overwritten, so the model is built with its
+parameters on the meta device and its buffers real (`parameters_on_meta`: Accelerate's
+`init_empty_weights(include_buffers=False)`; a buffer that is not in a checkpoint, such as a rotary
+table, is computed as usual), wrapped, given empty shards (`allocate_shards`, which keeps the
+buffers' values) and loaded. So a rank holds its shards and never the full model: with rank 0 alone
+reading the file, what Accelerate's `fsdp_cpu_ram_efficient_loading` + `fsdp_sync_module_states`
+give. Every parameter must then come from the checkpoint: `check_weights` refuses one that lacks any.
+
 [Note: nothing is downloaded]
 A directory is read with `local_files_only=True` (config and tokenizer), and a model is built from
 its config with fresh weights; weights come only from `--init-from`, a local safetensors checkpoint
@@ -23,7 +32,9 @@ one of its names: the other names missing from a checkpoint are not a misfit.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -35,7 +46,17 @@ from simplefsdp.class_swap import user_class
 from simplefsdp.train.config import ConfigError
 from simplefsdp.train.data import CORPUS, VOCAB, encode
 
-__all__ = ["TOKENIZER_FILES", "build", "check_weights", "corpus_ids", "load_weights", "save_config"]
+__all__ = [
+    "TOKENIZER_FILES",
+    "allocate_shards",
+    "build",
+    "check_weights",
+    "corpus_ids",
+    "load_weights",
+    "parameters_on_meta",
+    "retie",
+    "save_config",
+]
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
@@ -152,6 +173,32 @@ def check_weights(model: nn.Module, path: str) -> None:
     for what, names in (("missing", missing), ("unexpected", unexpected), ("of another shape", mismatched)):
         if names:
             raise ConfigError(f"--init-from {path}: {len(names)} tensors {what} for the model: {_one_line(names)}")
+
+
+@contextlib.contextmanager
+def parameters_on_meta() -> Iterator[None]:
+    """Modules built inside get their parameters on the meta device, their buffers real (see the note).
+    Re-tie a Hugging Face model's weights after (`retie`)."""
+    from accelerate import init_empty_weights
+
+    with init_empty_weights(include_buffers=False):
+        yield
+
+
+def retie(model: nn.Module) -> None:
+    """`parameters_on_meta` re-registers every parameter as a new meta one, which unties an output
+    head assigned the embedding's parameter; a Hugging Face model ties them again itself."""
+    if callable(getattr(model, "tie_weights", None)):
+        model.tie_weights()
+
+
+def allocate_shards(model: nn.Module, device: torch.device) -> None:
+    """Uninitialised storage on `device` for the wrapped `model`'s meta shards; buffers keep their values."""
+    buffers = {name: b.clone() for name, b in model.named_buffers()}
+    model.to_empty(device=device)
+    with torch.no_grad():
+        for name, b in model.named_buffers():
+            b.copy_(buffers[name])
 
 
 def load_weights(model: nn.Module, path: str) -> None:

@@ -15,6 +15,7 @@ loss curve continue those of the run it resumes (bitwise in fp32 on the same wor
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -156,8 +157,12 @@ def build_model(config: TrainConfig, device: torch.device) -> TrainSetup:
     """The wrapped (and compiled) model, the same on every rank for a given seed."""
     dp_mesh, tp_mesh, dp_rank, dp_size = _meshes(config, device.type)
     torch.manual_seed(config.seed)
-    with device:
+    # [Note: --init-from builds no full parameter] in hf_model.py
+    lazy = hf_model.parameters_on_meta() if config.init_from else contextlib.nullcontext()
+    with device, lazy:
         model, corpus = unwrapped_model(config)
+    if config.init_from:
+        hf_model.retie(model)
     blocks = layer_blocks(config, model)
     if tp_mesh is not None:
         parallelize_module(model, tp_mesh, tensor_parallel_plan(model))
@@ -174,6 +179,7 @@ def build_model(config: TrainConfig, device: torch.device) -> TrainSetup:
         passes=_passes(config, profile_name(config, device), blocks),
     )
     if config.init_from:
+        hf_model.allocate_shards(model, device)
         hf_model.load_weights(model, config.init_from)
     if config.backend == "eager":
         step_fn = model

@@ -12,15 +12,25 @@ from tests.hf._tiny import llama_config
 
 def load_saved_pretrained(directory: str, shard_size: str | None) -> dict[str, torch.Tensor]:
     """Rank 0 saves a tied-embedding Llama with `save_pretrained` (one file, or shards + index when
-    `shard_size` is set); every rank then loads it into a differently initialised wrapped model with
-    `hf_model.load_weights`. Returns the full state after loading, and the saved model's under 'saved.'."""
+    `shard_size` is set); every rank then loads it with `hf_model.load_weights` into a wrapped model
+    built with its parameters on meta (`parameters_on_meta`, `allocate_shards`). Returns the full
+    state and every buffer (under 'buffer.') after loading, and the saved model's under 'saved.'."""
     torch.manual_seed(1)
     saved = transformers.LlamaForCausalLM(llama_config(tie_word_embeddings=True))
     if torch.distributed.get_rank() == 0:
         saved.save_pretrained(directory, **({"max_shard_size": shard_size} if shard_size else {}))
     torch.distributed.barrier()
     torch.manual_seed(2)
-    model = simplefsdp.wrap(transformers.LlamaForCausalLM(llama_config(tie_word_embeddings=True)))
+    with hf_model.parameters_on_meta():  # as `simplefsdp train --init-from` builds it
+        model = transformers.LlamaForCausalLM(llama_config(tie_word_embeddings=True))
+    hf_model.retie(model)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert all(p.is_meta for p in model.parameters()), "no full parameter is built"
+    assert not any(b.is_meta for b in model.buffers()), "buffers (the rotary table) are computed"
+    simplefsdp.wrap(model)
+    hf_model.allocate_shards(model, torch.device("cpu"))
     hf_model.load_weights(model, directory)
     loaded = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).clone() for k, v in model.state_dict().items()}
-    return {**loaded, **{f"saved.{k}": v for k, v in saved.state_dict().items()}}
+    buffers = {f"buffer.{k}": v.clone() for k, v in model.named_buffers()}  # incl. non-persistent ones
+    saved_buffers = {f"saved.buffer.{k}": v for k, v in saved.named_buffers()}
+    return {**loaded, **buffers, **{f"saved.{k}": v for k, v in saved.state_dict().items()}, **saved_buffers}
