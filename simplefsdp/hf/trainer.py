@@ -25,7 +25,7 @@ autocast (refused: `wrap(mp_policy=...)` casts the gathers instead), and the Tra
 `simplefsdp.checkpoint_blocks`), and `load_best_model_at_end` (its loading runs on rank 0 alone).
 Gradient accumulation needs nothing: `Accelerator.no_sync` (accelerate 1.15) is a no-op for a model
 without a `no_sync` method, so each micro-batch's gradients are reduced and summed, as DDP's
-synchronized sum would be (read in the source; not run).
+synchronized sum would be (tested: two micro-batches a step match one process).
 
 [Note: what a Trainer checkpoint holds]
 The Trainer saves and loads on rank 0 only, which cannot gather sharded parameters (the others

@@ -1,12 +1,13 @@
 """A tiny `LlamaForCausalLM` trained by `transformers.Trainer`: the plain one in one process, or
-`simplefsdp.hf.Trainer` on the ranks torchrun starts (compiled with inductor).
+`simplefsdp.hf.Trainer` on the ranks torchrun starts (compiled with inductor through the Trainer's
+`torch_compile`, two micro-batches accumulated per step).
 
     python -m tests.hf._trainer_job --out DIR --mode reference                 # one process, global batch 8
-    torchrun --nproc-per-node 2 -m tests.hf._trainer_job --out DIR --mode simplefsdp   # 2 x 4
+    torchrun --nproc-per-node 2 -m tests.hf._trainer_job --out DIR --mode simplefsdp   # 2 ranks x 2 x 2 micro
 
 Both train `STEPS` AdamW steps on the same 64 sequences in the same order (the Trainer's sampler is
-seeded; Accelerate hands rank r the r-th slice of each global batch of `BATCH`, the sequences the
-single process takes at once) and end
+seeded; Accelerate hands rank r the r-th slice of each loader batch, so one optimizer step's two
+micro-batches over two ranks hold the 8 sequences the single process takes at once) and end
 with `trainer.save_model(DIR/final)`. The simplefsdp mode saves Trainer checkpoints at step 2 and
 4, then builds a fresh model and resumes a second Trainer from `checkpoint-2` to step 4, saving it
 to `DIR/resumed`.
@@ -23,7 +24,8 @@ import transformers
 
 from tests.hf._tiny import llama_config
 
-BATCH = 8  # sequences per optimizer step, over all ranks
+BATCH = 8  # sequences per optimizer step, over all ranks (and micro-batches)
+ACCUMULATE = 2  # micro-batches per optimizer step in the simplefsdp run
 STEPS = 4
 SEQ = 17
 
@@ -79,8 +81,17 @@ def _simplefsdp_trainer(out: str, **extra) -> transformers.Trainer:
     import simplefsdp.hf
 
     wrapped = simplefsdp.wrap(model())
-    wrapped.compile()
-    args = arguments(out, torch.distributed.get_world_size(), save_strategy="steps", save_steps=2, **extra)
+    # compiled by the Trainer's own `torch_compile` (the mixin compiles in place); each optimizer step
+    # accumulates two micro-batches of 2 sequences per rank: the same 8 sequences a step as the reference
+    args = arguments(
+        out,
+        ACCUMULATE * torch.distributed.get_world_size(),
+        save_strategy="steps",
+        save_steps=2,
+        torch_compile=True,
+        gradient_accumulation_steps=ACCUMULATE,
+        **extra,
+    )
     return simplefsdp.hf.Trainer(model=wrapped, args=args, train_dataset=Sequences())
 
 

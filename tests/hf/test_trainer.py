@@ -1,9 +1,10 @@
 """`simplefsdp.hf.Trainer`: Hugging Face's Trainer on a simplefsdp model.
 
 End to end (slow): a tiny `LlamaForCausalLM` trained for 4 steps by the plain Trainer in one process
-and by `simplefsdp.hf.Trainer` on 2 gloo ranks under torchrun, compiled with inductor
-(`_trainer_job.py`): the saved weights agree within the fp32 parity tolerance, `from_pretrained`
-loads them, and a second Trainer resumed from the step-2 checkpoint ends with the same weights.
+and by `simplefsdp.hf.Trainer` on 2 gloo ranks under torchrun, compiled with inductor through the
+Trainer's `torch_compile`, two micro-batches accumulated per step (`_trainer_job.py`): the saved
+weights agree within the fp32 parity tolerance, `from_pretrained` loads them, and a second Trainer
+resumed from the step-2 checkpoint ends with the same weights.
 [Note: Trainer parity tolerance] The two runs do the same arithmetic on the same sequences (the
 loss is summed over both ranks' tokens and divided by the global count, as in one process), but
 inductor fuses and the sharded reductions add in another order: a few fp32 ulps per step. 64 ulps
