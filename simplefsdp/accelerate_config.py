@@ -61,8 +61,8 @@ _NOTED = {
     "fsdp_version": "simplefsdp has one wrapper; FSDP1 and FSDP2 settings map alike",
     "fsdp_sync_module_states": "wrap() always starts every rank from rank 0's values (parameters and buffers)",
     "fsdp_cpu_ram_efficient_loading": (
-        "rank 0 reads, each rank gets its shards: simplefsdp.checkpoint.import_full_state_dict "
-        "(simplefsdp train --init-from), after meta-device init + simplefsdp.materialize"
+        "rank 0 reads, each rank gets its shards: simplefsdp.checkpoint.import_full_state_dict; "
+        "simplefsdp train --init-from also builds the parameters on the meta device first"
     ),
     "fsdp_use_orig_params": "wrap() always keeps the original parameters and their names (no flat parameters)",
 }
