@@ -11,7 +11,8 @@ gradient reaching no sharded parameter: training that runs and silently learns n
   fused kernel, a list it refreshes only when `getattr` returns other objects than last time (and
   then calls `flatten_parameters()`, which on CUDA would copy the weights into one cuDNN buffer).
   Its wrapped class reads `_flat_weights` through a property that gathers every weight by name at
-  each access (once per forward), refreshing is a no-op (nothing is cached) and
+  each access (once per forward), refreshing and re-initialising the list are no-ops (nothing is
+  cached; `.to()` and `to_empty()` would otherwise gather every weight) and
   `flatten_parameters()` is a no-op (a gathered weight lives for one step; there is nothing to
   flatten in place). The instance's own list is pointed at the sharded parameters, so nothing holds
   the originals and `sharded_parameters()` (which restores the user's class) sees the shards.
@@ -93,6 +94,7 @@ def gathered_attributes(cls: type[nn.Module]) -> dict[str, object]:
         "forward": _eager_forward(cls),
         "_flat_weights": property(_flat_weights, _set_flat_weights, doc="Each weight gathered, in kernel order."),
         "_update_flat_weights": _nothing_to_do,
+        "_init_flat_weights": _nothing_to_do,  # `_apply` (`.to()`, `to_empty()`) calls it: no gather there
         "flatten_parameters": _nothing_to_do,
     }
 

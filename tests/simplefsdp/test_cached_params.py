@@ -14,6 +14,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 import simplefsdp
+from simplefsdp import parametrize
 from simplefsdp.parametrize import sharded_parameters
 from tests.simplefsdp import _zoo
 
@@ -47,6 +48,12 @@ def test_rnn_weights_are_read_by_name_and_the_originals_freed(mesh):
     assert [tuple(w.shape) for w in model.lstm._flat_weights] == shapes, "gathered, full shapes"
     assert not any(isinstance(w, DTensor) for w in model.lstm._flat_weights)
     assert not hasattr(model.lstm, "_simplefsdp_gathered_flat_weights"), "nothing gathered is kept"
+    gathers = []
+    with pytest.MonkeyPatch.context() as patch:  # RNNBase._apply re-initialises its list: no gather
+        patch.setattr(parametrize, "gather_full", lambda *args: gathers.append(args))
+        model.to_empty(device="cpu")
+    assert gathers == []
+    assert all(isinstance(w, DTensor) for w in vars(model.lstm)["_flat_weights"])
     with sharded_parameters(model):  # the user's class reads its own list: the sharded parameters
         assert all(isinstance(w, DTensor) for w in model.lstm._flat_weights)
         assert model.lstm._flat_weights[0] is model.lstm.weight_ih_l0
