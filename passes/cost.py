@@ -20,22 +20,53 @@ rank plans; they do not predict wall time to the microsecond.
 [Note: where the profiles' numbers come from]
 - compute and memory: dense BF16 peak and HBM bandwidth from NVIDIA's datasheets -- H100 SXM5
   989 TFLOP/s and 3.35 TB/s; H200 the same compute and 4.8 TB/s; A100 SXM4 80GB 312 TFLOP/s and
-  2.0 TB/s;
+  2.0 TB/s (the 40GB model: 1.555 TB/s);
 - bus bandwidth: about 360 GB/s (H100 / H200) and 230 GB/s (A100), the all-gather / reduce-scatter
   bus bandwidth nccl-tests reports for 8 GPUs within an NVLink node (NVLink 4: 450 GB/s per
   direction, NVLink 3: 300 GB/s); 15 us per collective. Across nodes (InfiniBand at 400 Gb/s,
   50 GB/s per GPU) a ring runs slower, so at world sizes beyond 8 these are optimistic;
+- memory capacity per device, from the datasheets in decimal GB (10^9 bytes): H100 SXM5 80 GB,
+  H200 141 GB, A100 80 GB and 40 GB. A device reports a little more usable memory than that in
+  binary units (an H200 about 139 GiB = 149 GB), so a verdict against these numbers errs on the
+  safe side; a calibrated profile carries what its device reports (`simplefsdp calibrate`);
 - "cpu-gloo": order-of-magnitude numbers for two processes on one small host over gloo's TCP
   loopback (100 us per collective, 2 GB/s, 50 GFLOP/s matmuls, 10 GB/s memory traffic, half of a
   collective's time hidden by compute), enough to rank bucket plans there; `simplefsdp calibrate`
   measures the machine at hand and writes a profile file, which every place that takes a profile
-  name also takes (`profile(path)`).
+  name also takes (`profile(path)`);
+- the named profiles charge no wake-up latency, a memory-bound optimizer step (no per-tensor
+  overhead) and no staging memory for collectives (NCCL's buffers live outside PyTorch's allocator):
+  only a calibrated profile measures those (see [Note: what a training step adds]).
+
+[Note: what a training step adds]
+Two costs a step pays that a collective timed back to back, or a roofline, does not show. Both are
+measured by `simplefsdp calibrate`; the named profiles leave them at zero / memory bound.
+- Wake-up and drift: a collective launched after its process group sat idle while compute ran
+  costs more than one launched right after another (on a 2-core host over gloo: 0.5 ms back to
+  back, 1.5 ms after 0.7 ms of matmuls, 2.5 ms after 6 ms -- measured): a quick rise (the
+  communication threads have to be scheduled again) and then a slow growth with the length of the
+  compute (the ranks drift apart while they compute; the first to arrive waits for the other). The
+  cost model charges `wake_s * (1 - exp(-idle / wake_tau_s)) + drift * compute` on top of
+  alpha-beta, `idle` the time since the group's previous collective finished (unbounded for the
+  first of a graph) and `compute` the compute since then (since the graph began for the first)
+  (`wake_seconds`).
+- The optimizer step: `seconds per parameter tensor * tensors + seconds per element * elements`,
+  per optimizer (`optimizer_seconds`). The per-tensor term is what dominates small models: an
+  eager optimizer over DTensor shards pays the DTensor dispatch for every op on every parameter
+  (AdamW over the 75 shards of the 8-block benchmark model: about 25 ms of a 230 ms step on this
+  host, where the memory-bound estimate says 4 ms).
+- Staging memory: a communication library may copy a collective's buffer while it runs. gloo
+  all-gathers into a flat buffer of its own and copies out, and stages a reduce-scatter's input the
+  same way: about one full buffer each, held from launch to wait (measured by
+  `simplefsdp calibrate`). `staging` holds, per kind, those bytes per byte of the full buffer; the
+  liveness walk adds them while the collective is in flight (`passes/liveness.py`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from pathlib import Path
 
 import torch
@@ -47,24 +78,32 @@ from simplefsdp.passes.liveness import sized_by_this_rank
 
 __all__ = [
     "COLLECTIVE_KINDS",
+    "OPTIMIZER_BYTES_PER_ELEMENT",
     "PROFILES",
     "DeviceProfile",
     "collective_seconds",
     "compute_between",
     "node_seconds",
+    "optimizer_seconds",
     "profile",
     "save_profile",
     "seconds_of",
+    "wake_seconds",
 ]
 
 
 COLLECTIVE_KINDS = ("all_gather", "reduce_scatter", "all_reduce")
+# bytes read + written per fp32 sharded element by one optimizer step: SGD reads the grad and
+# reads / writes the param and its momentum; AdamW reads / writes two moments
+OPTIMIZER_BYTES_PER_ELEMENT = {"adamw": 4 + 8 + 16, "sgd": 4 + 8 + 8, "none": 0}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class DeviceProfile:
     """The numbers the cost model charges with. Invariant: every rate is positive, `overlap` in [0, 1],
-    `collectives` holds at most one `(kind, latency_s, bus_bytes_per_s)` per kind of `COLLECTIVE_KINDS`."""
+    `collectives` holds at most one `(kind, latency_s, bus_bytes_per_s)` per kind of `COLLECTIVE_KINDS`,
+    `optimizers` at most one `(name, seconds per tensor, seconds per element)` per optimizer of
+    `OPTIMIZER_BYTES_PER_ELEMENT`; wake-up and optimizer terms: [Note: what a training step adds]."""
 
     name: str
     latency_s: float  # alpha: fixed cost of one collective
@@ -72,7 +111,13 @@ class DeviceProfile:
     flops_per_s: float  # dense matmul peak in the compute dtype
     memory_bytes_per_s: float  # device memory bandwidth
     overlap: float = 1.0  # share of a collective's time that runs in parallel with compute
+    capacity_bytes: float | None = None  # memory one rank may use (None: unknown)
     collectives: tuple[tuple[str, float, float], ...] = ()  # per kind: (kind, latency_s, bus_bytes_per_s)
+    wake_s: float = 0.0  # extra latency of a collective after its group sat idle (saturated)
+    wake_tau_s: float = 1e-3  # idle time at which the wake-up reaches 63% of `wake_s`
+    drift: float = 0.0  # extra collective seconds per second of compute since the group's previous one
+    optimizers: tuple[tuple[str, float, float], ...] = ()  # (name, tensor_s, element_s) per optimizer
+    staging: tuple[tuple[str, float], ...] = ()  # (kind, bytes staged per byte of the full buffer)
 
     def __post_init__(self) -> None:
         rates = {k: getattr(self, k) for k in ("bus_bytes_per_s", "flops_per_s", "memory_bytes_per_s")}
@@ -85,24 +130,62 @@ class DeviceProfile:
         unknown = [kind for kind, _, _ in self.collectives if kind not in COLLECTIVE_KINDS]
         if unknown or len({kind for kind, _, _ in self.collectives}) != len(self.collectives):
             raise ValueError(f"device profile {self.name!r}: collectives must be one each of {COLLECTIVE_KINDS}")
+        if self.capacity_bytes is not None and not self.capacity_bytes > 0:
+            raise ValueError(f"device profile {self.name!r}: capacity_bytes must be > 0 or None: {self}")
+        if self.wake_s < 0 or not self.wake_tau_s > 0 or self.drift < 0:
+            raise ValueError(f"device profile {self.name!r}: wake_s and drift must be >= 0 and wake_tau_s > 0: {self}")
+        names = [name for name, _, _ in self.optimizers]
+        if len(set(names)) != len(names) or set(names) - set(OPTIMIZER_BYTES_PER_ELEMENT):
+            raise ValueError(
+                f"device profile {self.name!r}: optimizers must be at most one each of "
+                f"{sorted(OPTIMIZER_BYTES_PER_ELEMENT)}, got {names}"
+            )
+        staged = [kind for kind, _ in self.staging]
+        negative = any(factor < 0 for _, factor in self.staging)
+        if len(set(staged)) != len(staged) or set(staged) - set(COLLECTIVE_KINDS) or negative:
+            raise ValueError(
+                f"device profile {self.name!r}: staging must be at most one factor >= 0 each of "
+                f"{COLLECTIVE_KINDS}: {self.staging}"
+            )
+        if any(t < 0 or e < 0 for _, t, e in self.optimizers):
+            raise ValueError(f"device profile {self.name!r}: optimizer seconds must be >= 0: {self.optimizers}")
+
+    def staging_factor(self, kind: str) -> float:
+        """Bytes the communication library stages per byte of a `kind` collective's full buffer."""
+        return next((factor for k, factor in self.staging if k == kind), 0.0)
 
     def alpha_beta(self, kind: str) -> tuple[float, float]:
         """(latency_s, bus_bytes_per_s) of one collective of `kind`."""
         return next(((a, b) for k, a, b in self.collectives if k == kind), (self.latency_s, self.bus_bytes_per_s))
 
 
-def _profile(name: str, alpha: float, bus: float, flops: float, memory: float, overlap: float = 1.0) -> DeviceProfile:
+def _profile(
+    name: str,
+    alpha: float,
+    bus: float,
+    flops: float,
+    memory: float,
+    overlap: float = 1.0,
+    capacity_gb: float | None = None,
+) -> DeviceProfile:
     return DeviceProfile(
-        name=name, latency_s=alpha, bus_bytes_per_s=bus, flops_per_s=flops, memory_bytes_per_s=memory, overlap=overlap
+        name=name,
+        latency_s=alpha,
+        bus_bytes_per_s=bus,
+        flops_per_s=flops,
+        memory_bytes_per_s=memory,
+        overlap=overlap,
+        capacity_bytes=None if capacity_gb is None else capacity_gb * 1e9,
     )
 
 
 PROFILES: dict[str, DeviceProfile] = {
     p.name: p
     for p in (
-        _profile("h100", alpha=15e-6, bus=360e9, flops=989e12, memory=3.35e12),  # bf16 dense, NVLink
-        _profile("h200", alpha=15e-6, bus=360e9, flops=989e12, memory=4.8e12),
-        _profile("a100", alpha=15e-6, bus=230e9, flops=312e12, memory=2.0e12),
+        _profile("h100", alpha=15e-6, bus=360e9, flops=989e12, memory=3.35e12, capacity_gb=80),  # bf16, NVLink
+        _profile("h200", alpha=15e-6, bus=360e9, flops=989e12, memory=4.8e12, capacity_gb=141),
+        _profile("a100", alpha=15e-6, bus=230e9, flops=312e12, memory=2.0e12, capacity_gb=80),
+        _profile("a100-40gb", alpha=15e-6, bus=230e9, flops=312e12, memory=1.555e12, capacity_gb=40),
         # two processes on one host over gloo (TCP loopback): what the CPU tests and benchmark run
         _profile("cpu-gloo", alpha=100e-6, bus=2e9, flops=50e9, memory=10e9, overlap=0.5),
     )
@@ -124,16 +207,22 @@ def load_profile(path: str | Path) -> DeviceProfile:
     path = Path(path)
     try:
         data = json.loads(path.read_text())
-        fields = {f.name for f in dataclasses.fields(DeviceProfile)} - {"collectives"}
-        missing = sorted(f for f in fields - {"overlap"} if f not in data)
+        fields = {f.name for f in dataclasses.fields(DeviceProfile)} - {"collectives", "optimizers", "staging"}
+        optional = {"overlap", "wake_s", "wake_tau_s", "drift", "capacity_bytes"}
+        missing = sorted(f for f in fields - optional if f not in data)
         if missing:
             raise ValueError(f"missing keys {missing}")
         collectives = tuple(
             (kind, float(fit["latency_s"]), float(fit["bus_bytes_per_s"]))
             for kind, fit in sorted(data.get("collectives", {}).items())
         )
-        numbers = {f: (data[f] if f == "name" else float(data[f])) for f in fields if f in data}
-        return DeviceProfile(**numbers, collectives=collectives)
+        optimizers = tuple(
+            (name, float(fit["tensor_s"]), float(fit["element_s"]))
+            for name, fit in sorted(data.get("optimizers", {}).items())
+        )
+        staging = tuple((kind, float(factor)) for kind, factor in sorted(data.get("staging", {}).items()))
+        numbers = {f: (data[f] if f == "name" else float(data[f])) for f in fields if data.get(f) is not None}
+        return DeviceProfile(**numbers, collectives=collectives, optimizers=optimizers, staging=staging)
     except FileNotFoundError:
         raise ValueError(
             f"device profile file {str(path)!r} does not exist (write one with `simplefsdp calibrate`)"
@@ -146,6 +235,8 @@ def save_profile(device: DeviceProfile, path: str | Path, *, extra: dict | None 
     """Write `device` as JSON (`extra`, e.g. the measurements it was fitted from, goes along unread)."""
     data = dataclasses.asdict(device)
     data["collectives"] = {kind: {"latency_s": a, "bus_bytes_per_s": b} for kind, a, b in device.collectives}
+    data["optimizers"] = {name: {"tensor_s": t, "element_s": e} for name, t, e in device.optimizers}
+    data["staging"] = dict(device.staging)
     Path(path).write_text(json.dumps({**data, **(extra or {})}, indent=1) + "\n")
 
 
@@ -161,6 +252,25 @@ def collective_seconds(device: DeviceProfile, *, kind: str, nbytes: int, world: 
 def seconds_of(device: DeviceProfile, collective: Collective) -> float:
     """`collective_seconds` of a traced collective: its full buffer over its group."""
     return collective_seconds(device, kind=collective.kind, nbytes=collective.full_nbytes, world=collective.group_size)
+
+
+def wake_seconds(device: DeviceProfile, *, idle_s: float, compute_s: float) -> float:
+    """Extra seconds of a collective launched `idle_s` after its group's previous one finished
+    (`math.inf`: the first of a graph), with `compute_s` of compute since then
+    ([Note: what a training step adds])."""
+    wake = device.wake_s * -math.expm1(-idle_s / device.wake_tau_s) if idle_s > 0.0 else 0.0
+    return wake + device.drift * max(0.0, compute_s)
+
+
+def optimizer_seconds(device: DeviceProfile, *, optimizer: str, tensors: int, elements: int) -> float:
+    """Seconds of one step of `optimizer` over `tensors` parameter shards of `elements` elements in all:
+    measured per tensor and per element where the profile has them, else memory bound."""
+    if optimizer not in OPTIMIZER_BYTES_PER_ELEMENT:
+        raise ValueError(f"unknown optimizer {optimizer!r}; known: {sorted(OPTIMIZER_BYTES_PER_ELEMENT)}")
+    measured = next(((t, e) for name, t, e in device.optimizers if name == optimizer), None)
+    if measured is None:
+        return elements * OPTIMIZER_BYTES_PER_ELEMENT[optimizer] / device.memory_bytes_per_s
+    return tensors * measured[0] + elements * measured[1]
 
 
 def _tensor_bytes(value: object) -> int:

@@ -10,9 +10,13 @@ it in the background. Live bytes are split into gathered parameters / communicat
 (outputs of all-gathers, of the bucket copy ops, and values derived only from gathered weights),
 reduced gradients (outputs of reduce-scatters / all-reduces) and activations (everything else).
 
-Ignored: allocator fragmentation and caching, workspaces of libraries (cuBLAS, NCCL), the
-communication library's own staging buffers, and fusion (inductor may fuse away intermediates this
-walk counts: for a graph's transients the walk is an upper bound).
+The communication library's own staging buffers are counted only when the caller says how large
+they are (`graph_peak(staging=...)`, from a calibrated device profile: bytes per byte of a
+collective's full buffer, held from its launch to its wait, as gathered / comm buffers).
+
+Ignored: allocator fragmentation and caching, workspaces of libraries (cuBLAS, NCCL), and fusion
+(inductor may fuse away intermediates this walk counts: for a graph's transients the walk is an
+upper bound).
 
 Invariant: the result depends only on the graph's order and its nodes' traced metadata.
 """
@@ -20,7 +24,7 @@ Invariant: the result depends only on the graph's order and its nodes' traced me
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Mapping
 
 import torch
 from torch import fx
@@ -35,6 +39,7 @@ from simplefsdp.passes.collectives import (
     is_reduce_scatter,
     is_view_of_input,
     is_wait,
+    parse_collective,
 )
 
 __all__ = [
@@ -88,10 +93,32 @@ def _kind(root: fx.Node) -> str:
     return ACTIVATIONS
 
 
+def _staged(
+    nodes: list[fx.Node], position: dict[fx.Node, int], staging: Mapping[str, float]
+) -> tuple[dict[int, int], dict[int, int]]:
+    """Bytes staged by the communication library: ({launch position: bytes}, {wait position: bytes})."""
+    taken: dict[int, int] = {}
+    given: dict[int, int] = {}
+    for node in nodes:
+        collective = parse_collective(node) if staging else None
+        factor = staging.get(collective.kind, 0.0) if collective is not None else 0.0
+        if factor <= 0:
+            continue
+        size = int(factor * collective.full_nbytes)
+        end = max([position[node], *(position[u] for u in node.users if is_wait(u))])
+        taken[position[node]] = taken.get(position[node], 0) + size
+        given[end] = given.get(end, 0) + size
+    return taken, given
+
+
 def _walk(
-    graph: fx.Graph, skip: Collection[fx.Node], kind_of: Callable[[fx.Node], str]
+    graph: fx.Graph,
+    skip: Collection[fx.Node],
+    kind_of: Callable[[fx.Node], str],
+    staging: Mapping[str, float] | None = None,
 ) -> tuple[int, dict[str, int], int, int]:
-    """(peak, live bytes by kind at the peak, most comm bytes, live at the end); `skip`: nodes not counted."""
+    """(peak, live bytes by kind at the peak, most comm bytes, live at the end); `skip`: nodes not counted;
+    `staging`: the communication library's bytes per byte of a collective's full buffer, per kind."""
     nodes = list(graph.nodes)
     position = {node: i for i, node in enumerate(nodes)}
     root: dict[fx.Node, fx.Node] = {}
@@ -114,26 +141,36 @@ def _walk(
         frees.setdefault(last_use.get(node, position[node]), []).append(node)
     kinds = {node: kind_of(node) for node in counted}
     sizes = {node: nbytes(node) for node in counted}
+    taken, given = _staged(nodes, position, staging or {})
     held: dict[str, int] = {}
     total, peak, at_peak, max_comm = 0, 0, {}, 0
     for i, node in enumerate(nodes):
         if node in kinds:
             held[kinds[node]] = held.get(kinds[node], 0) + sizes[node]
             total += sizes[node]
+        if i in taken:
+            held[COMM_BUFFERS] = held.get(COMM_BUFFERS, 0) + taken[i]
+            total += taken[i]
         max_comm = max(max_comm, held.get(COMM_BUFFERS, 0))
         if total > peak:
             peak, at_peak = total, dict(held)
         for freed in frees.get(i, ()):
             held[kinds[freed]] -= sizes[freed]
             total -= sizes[freed]
+        if i in given:
+            held[COMM_BUFFERS] -= given[i]
+            total -= given[i]
     return peak, at_peak, max_comm, total
 
 
-def graph_peak(graph: fx.Graph, *, skip_inputs: Collection[str] = frozenset()) -> GraphPeak:
+def graph_peak(
+    graph: fx.Graph, *, skip_inputs: Collection[str] = frozenset(), staging: Mapping[str, float] | None = None
+) -> GraphPeak:
     """Walk `graph` as in [Note: what the walk counts]; placeholders named in `skip_inputs` (e.g. the
-    parameter shards, counted elsewhere as persistent) are not counted."""
+    parameter shards, counted elsewhere as persistent) are not counted; `staging`: per kind of
+    collective, bytes the communication library stages per byte of its full buffer."""
     skip = {node for node in graph.find_nodes(op="placeholder") if node.name in skip_inputs}
-    peak, at_peak, max_comm, end = _walk(graph, skip, _kind)
+    peak, at_peak, max_comm, end = _walk(graph, skip, _kind, staging)
     return GraphPeak(peak_bytes=peak, at_peak=at_peak, max_comm_bytes=max_comm, end_bytes=end)
 
 

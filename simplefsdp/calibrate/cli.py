@@ -38,9 +38,16 @@ def _measure_rank(quick: bool, device: torch.device) -> Measurements:
 
 
 def calibrate(
-    *, out: str | Path, nproc: int | None = None, device_type: str | None = None, quick: bool = False, name: str = ""
+    *,
+    out: str | Path,
+    nproc: int | None = None,
+    device_type: str | None = None,
+    quick: bool = False,
+    name: str = "",
+    capacity_bytes: float | None = None,
 ) -> DeviceProfile:
-    """Measure on `nproc` spawned ranks (or torchrun's), fit, and write the profile to `out` (rank 0)."""
+    """Measure on `nproc` spawned ranks (or torchrun's), fit, and write the profile to `out` (rank 0).
+    `capacity_bytes`: the memory one rank may use, instead of what the host reports."""
     device_type = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
     measured = run_on_ranks(
         functools.partial(_measure_rank, quick), nproc=nproc, device_type=device_type, timeout=_TIMEOUT
@@ -49,6 +56,8 @@ def calibrate(
         return None
     name = name or f"{device_type}-{measured.world_size}x-{socket.gethostname()}"
     profile = profile_from(measured, name=name)
+    if capacity_bytes is not None:
+        profile = dataclasses.replace(profile, capacity_bytes=float(capacity_bytes))
     meta = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "host": socket.gethostname(),
@@ -65,9 +74,21 @@ def _describe(profile: DeviceProfile) -> str:
         f"  matmul            {profile.flops_per_s / 1e9:,.1f} GFLOP/s",
         f"  memory            {profile.memory_bytes_per_s / 1e9:,.2f} GB/s",
         f"  overlap           {profile.overlap:.2f} of communication time runs beside compute",
+        "  capacity          "
+        + ("unknown" if profile.capacity_bytes is None else f"{profile.capacity_bytes / 2**30:,.1f} GiB per rank"),
     ]
     for kind, latency, bandwidth in profile.collectives:
-        lines.append(f"  {kind:<17} {latency * 1e6:,.0f} us + bytes / {bandwidth / 1e9:,.2f} GB/s")
+        staged = profile.staging_factor(kind)
+        lines.append(
+            f"  {kind:<17} {latency * 1e6:,.0f} us + bytes / {bandwidth / 1e9:,.2f} GB/s"
+            + (f", stages {staged:.2f} x its buffer" if staged else "")
+        )
+    lines.append(
+        f"  after idle        +{profile.wake_s * 1e6:,.0f} us wake-up (tau {profile.wake_tau_s * 1e3:.2f} ms)"
+        f" + {profile.drift:.2f} s per s of compute"
+    )
+    for name, per_tensor, per_element in profile.optimizers:
+        lines.append(f"  {name:<17} {per_tensor * 1e6:,.1f} us per parameter + {per_element * 1e9:.2f} ns per element")
     return "\n".join(lines)
 
 
@@ -78,11 +99,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda when available")
     parser.add_argument("--quick", action="store_true", help="fewer sizes and repeats: seconds, not minutes")
     parser.add_argument("--name", default="", help="the profile's name (default: device, ranks and host)")
+    parser.add_argument(
+        "--memory-gib", type=float, default=None, help="memory per rank (default: what the device / host reports)"
+    )
     args = parser.parse_args(argv)
     if args.nproc is not None and args.nproc < 2:
         parser.error("--nproc must be at least 2: collectives need two ranks to measure")
+    if args.memory_gib is not None and not args.memory_gib > 0:
+        parser.error(f"--memory-gib must be > 0, got {args.memory_gib}")
+    capacity = None if args.memory_gib is None else args.memory_gib * 2**30
     try:
-        profile = calibrate(out=args.out, nproc=args.nproc, device_type=args.device, quick=args.quick, name=args.name)
+        profile = calibrate(
+            out=args.out,
+            nproc=args.nproc,
+            device_type=args.device,
+            quick=args.quick,
+            name=args.name,
+            capacity_bytes=capacity,
+        )
     except (ValueError, RankFailedError) as error:
         print(f"simplefsdp calibrate: error: {error}", file=sys.stderr)
         return 2 if isinstance(error, ValueError) else 1

@@ -11,14 +11,28 @@ all-gather's (the collective FSDP issues most).
 Overlap share: with `c` the compute loop alone, `m` the collective alone and `b` both at once,
 `(c + m - b) / min(c, m)` of the shorter one ran in parallel with the other (1: fully hidden, 0: the
 two took as long as one after the other), clamped to [0, 1].
+
+Wake-up and drift: the points `(idle seconds, extra seconds)` (the idle stretch is compute) are
+fitted to `extra = wake_s * (1 - exp(-idle / tau)) + drift * idle` ([Note: what a training step
+adds] in `passes/cost.py`): for each `tau` of a geometric grid from 0.1 ms to 100 ms the best
+`wake_s, drift >= 0` is a linear least squares (a term that would go negative is dropped and the
+other refitted alone), and the triple with the smallest squared error wins (deterministic; noise
+around zero fits no extra at all).
+
+Optimizer: `seconds = tensors * tensor_s + tensors * elements * element_s` through the measured
+shapes (least squares over them; two shapes: the exact solution), each term clamped at zero.
 """
 
 from __future__ import annotations
 
+import math
+
 from simplefsdp.calibrate.timings import Measurements
 from simplefsdp.passes.cost import DeviceProfile
 
-__all__ = ["fit_alpha_beta", "overlap_share", "profile_from"]
+__all__ = ["fit_alpha_beta", "fit_optimizer", "fit_wake", "overlap_share", "profile_from"]
+
+_TAUS = tuple(1e-4 * 10 ** (i / 16) for i in range(49))  # 0.1 ms .. 100 ms
 
 
 def fit_alpha_beta(points: list[tuple[float, float]]) -> tuple[float, float]:
@@ -47,6 +61,60 @@ def overlap_share(compute_s: float, comm_s: float, both_s: float) -> float:
     return min(1.0, max(0.0, (compute_s + comm_s - both_s) / min(compute_s, comm_s)))
 
 
+def _nonnegative_pair(f: list[float], g: list[float], y: list[float]) -> tuple[float, float]:
+    """(a, b) >= 0 minimising the squared error of `a * f + b * g` against `y`."""
+    ff, gg, fg = sum(x * x for x in f), sum(x * x for x in g), sum(x * z for x, z in zip(f, g, strict=True))
+    fy, gy = sum(x * t for x, t in zip(f, y, strict=True)), sum(x * t for x, t in zip(g, y, strict=True))
+    det = ff * gg - fg * fg
+    if det > 0:
+        a, b = (fy * gg - gy * fg) / det, (ff * gy - fg * fy) / det
+        if a >= 0 and b >= 0:
+            return a, b
+
+    def error(a: float, b: float) -> float:
+        return sum((a * x + b * z - t) ** 2 for x, z, t in zip(f, g, y, strict=True))
+
+    alone = [(max(0.0, fy / ff) if ff else 0.0, 0.0), (0.0, max(0.0, gy / gg) if gg else 0.0)]
+    return min(alone, key=lambda pair: error(*pair))
+
+
+def fit_wake(points: list[tuple[float, float]]) -> tuple[float, float, float]:
+    """(wake_s, tau_s, drift) through `points` `(idle seconds, extra seconds)`; see the module docstring."""
+    if not points:
+        return 0.0, 1e-3, 0.0
+    extras = [e for _, e in points]
+    idles = [idle for idle, _ in points]
+    best = None
+    for tau in _TAUS:
+        shape = [-math.expm1(-idle / tau) for idle in idles]
+        wake, drift = _nonnegative_pair(shape, idles, extras)
+        error = sum((wake * f + drift * i - e) ** 2 for f, i, e in zip(shape, idles, extras, strict=True))
+        if best is None or error < best[0] - 1e-30:
+            best = (error, wake, tau, drift)
+    return best[1], best[2], best[3]
+
+
+def fit_optimizer(points: list[tuple[int, int, float]]) -> tuple[float, float]:
+    """(seconds per tensor, seconds per element) through `points` `(tensors, elements each, seconds)`."""
+    if len(points) < 2:
+        raise ValueError(f"need at least two shapes to fit an optimizer's cost, got {len(points)}")
+    rows = [(float(n), float(n * e), t) for n, e, t in points]
+    a11 = sum(x * x for x, _, _ in rows)
+    a12 = sum(x * y for x, y, _ in rows)
+    a22 = sum(y * y for _, y, _ in rows)
+    b1 = sum(x * t for x, _, t in rows)
+    b2 = sum(y * t for _, y, t in rows)
+    det = a11 * a22 - a12 * a12
+    if det <= 0:
+        raise ValueError(f"the optimizer shapes must differ in elements per tensor: {points}")
+    per_tensor, per_element = (b1 * a22 - b2 * a12) / det, (a11 * b2 - a12 * b1) / det
+    if per_tensor < 0:  # all of it per element
+        return 0.0, b2 / a22
+    if per_element < 0:
+        return b1 / a11, 0.0
+    return per_tensor, per_element
+
+
 def profile_from(measured: Measurements, *, name: str) -> DeviceProfile:
     """The profile the measurements fit."""
     world = measured.world_size
@@ -54,6 +122,7 @@ def profile_from(measured: Measurements, *, name: str) -> DeviceProfile:
     for kind, points in measured.collectives.items():
         factor = 2.0 if kind == "all_reduce" else 1.0
         fits[kind] = fit_alpha_beta([(factor * (world - 1) / world * size, t) for size, t in points])
+    wake_s, wake_tau_s, drift = fit_wake(measured.wake)
     return DeviceProfile(
         name=name,
         latency_s=fits["all_gather"][0],
@@ -62,4 +131,10 @@ def profile_from(measured: Measurements, *, name: str) -> DeviceProfile:
         memory_bytes_per_s=measured.copy_bytes / measured.copy_s,
         overlap=overlap_share(measured.overlap_compute_s, measured.overlap_comm_s, measured.overlap_both_s),
         collectives=tuple((kind, alpha, bandwidth) for kind, (alpha, bandwidth) in sorted(fits.items())),
+        wake_s=wake_s,
+        wake_tau_s=wake_tau_s,
+        drift=drift,
+        optimizers=tuple((opt, *fit_optimizer(points)) for opt, points in sorted(measured.optimizers.items())),
+        staging=tuple(sorted(measured.staging.items())),
+        capacity_bytes=measured.capacity_bytes,
     )

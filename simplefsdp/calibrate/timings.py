@@ -11,20 +11,38 @@ returns the same `Measurements` and the fitted profile does not depend on which 
 - overlap: a matmul loop alone, all-gathers of a bucket-sized buffer of about the same total
   duration alone, and both at once (the all-gathers launched asynchronously, the loop run while
   they are in flight) -> how much of the communication time really ran in parallel with compute
-  (see `fit.overlap_share`).
+  (see `fit.overlap_share`);
+- wake-up: a small all-gather (the functional op and its wait, as compiled graphs issue it) issued
+  after a stretch of matmuls, for stretches from about 0.5 to
+  8 ms, against the same all-gather back to back -> the extra each costs after its group sat idle
+  (`fit.fit_wake`; [Note: what a training step adds] in `passes/cost.py`);
+- staging: the memory one all-gather / reduce-scatter / all-reduce of a 64 MiB buffer takes beyond
+  its own input and output (on a GPU the caching allocator's peak; on the CPU the kernel's resident
+  high-water mark: above glibc's largest dynamic mmap threshold, 32 MiB, a staging buffer is
+  always mapped fresh, so the mark sees it) -> bytes per byte of the full buffer
+  (`DeviceProfile.staging`);
+- capacity: the memory one rank may use -- on a GPU its total memory as the driver reports it, on
+  the CPU the host's physical memory over the ranks on it (`LOCAL_WORLD_SIZE`, else all ranks);
+- optimizer: one step of AdamW and of SGD with momentum over DTensor parameters sharded over the
+  group, as `simplefsdp.wrap` leaves them, for many small and for few large shards -> seconds per
+  parameter tensor and per element (`fit.fit_optimizer`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import gc
+import os
+import re
 import statistics
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from simplefsdp._compat import all_gather_single, reduce_scatter_single
+from simplefsdp._compat import all_gather_single, c10d_functional, reduce_scatter_single
 
 __all__ = ["Measurements", "measure"]
 
@@ -48,6 +66,11 @@ class Measurements:
     overlap_compute_s: float
     overlap_comm_s: float
     overlap_both_s: float
+    wake: list[tuple[float, float]] = dataclasses.field(default_factory=list)  # (idle s, extra s)
+    optimizers: dict[str, list[tuple[int, int, float]]] = dataclasses.field(default_factory=dict)
+    # name -> [(parameter tensors, elements per rank, seconds per step)]
+    staging: dict[str, float] = dataclasses.field(default_factory=dict)  # kind -> bytes per full-buffer byte
+    capacity_bytes: float | None = None  # memory one rank may use
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,9 +80,21 @@ class _Plan:
     matmul_n: int
     copy_bytes: int
     overlap_bytes: int  # full buffer of the all-gathers the overlap is measured with: about a bucket
+    wake_gaps_s: tuple[float, ...] = (0.25e-3, 0.5e-3, 1e-3, 2e-3, 4e-3, 8e-3)  # compute before each all-gather
+    wake_rounds: int = 20  # (compute, all-gather) rounds per timing
+    optimizer_shapes: tuple[tuple[int, int], ...] = ((64, 4096), (4, 1 << 20))  # (tensors, elements each)
 
 
-_QUICK = _Plan(sizes=(16 * KIB, 256 * KIB, 4096 * KIB), repeats=3, matmul_n=256, copy_bytes=16 * MIB, overlap_bytes=MIB)
+_QUICK = _Plan(
+    sizes=(16 * KIB, 256 * KIB, 4096 * KIB),
+    repeats=3,
+    matmul_n=256,
+    copy_bytes=16 * MIB,
+    overlap_bytes=MIB,
+    wake_gaps_s=(1e-3, 4e-3),
+    wake_rounds=5,
+    optimizer_shapes=((16, 1024), (2, 1 << 16)),
+)
 _FULL_CPU = _Plan(
     sizes=tuple(4 * KIB * 4**i for i in range(8)), repeats=9, matmul_n=1024, copy_bytes=128 * MIB, overlap_bytes=4 * MIB
 )
@@ -134,6 +169,123 @@ def _overlap(device: torch.device, plan: _Plan, repeats: int) -> tuple[float, fl
     return compute_s, _median_s(comm, device, repeats), _median_s(both, device, repeats)
 
 
+_WAKE_BYTES = 64 * KIB  # full buffer of the all-gather the wake-up is measured with
+_WAKE_N = 256  # the matmul the idle stretches are made of (about half a millisecond on one CPU core)
+
+
+def _wake(device: torch.device, plan: _Plan) -> list[tuple[float, float]]:
+    """[(compute seconds before each all-gather, extra seconds the all-gather took after it)]."""
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    a = torch.randn(_WAKE_N, _WAKE_N, device=device, dtype=dtype)
+    (one,) = _agree([_median_s(lambda: a @ a, device, plan.repeats)], device)
+    world = dist.get_world_size()
+    piece = torch.ones(_WAKE_BYTES // 4 // world, device=device)
+    rounds = plan.wake_rounds
+    group = dist.group.WORLD.group_name
+
+    def gather() -> None:  # as a compiled graph issues it: the functional op, then its wait
+        c10d_functional.wait_tensor(c10d_functional.all_gather_into_tensor(piece, world, group))
+
+    back_to_back = _median_s(lambda: [gather() for _ in range(rounds)], device, plan.repeats)
+    points = []
+    for gap in plan.wake_gaps_s:
+        loops = max(1, round(gap / max(one, 1e-7)))
+
+        def compute(loops: int = loops) -> None:
+            for _ in range(loops):
+                a @ a
+
+        def alone() -> None:
+            for _ in range(rounds):
+                compute()
+
+        def both() -> None:
+            for _ in range(rounds):
+                compute()
+                gather()
+
+        compute_s = _median_s(alone, device, plan.repeats)
+        extra = (_median_s(both, device, plan.repeats) - compute_s - back_to_back) / rounds
+        points.append((compute_s / rounds, extra))
+    return points
+
+
+_STAGING_BYTES = 64 * MIB  # see the module docstring
+_RSS = re.compile(r"VmRSS:\s+(\d+) kB")
+_HWM = re.compile(r"VmHWM:\s+(\d+) kB")
+
+
+def _high_water(fn: Callable[[], object], device: torch.device) -> int:
+    """Bytes `fn` allocates above what was held before it, at its peak."""
+    gc.collect()
+    _sync(device)
+    if device.type == "cuda":
+        before = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        fn()
+        _sync(device)
+        return torch.cuda.max_memory_allocated(device) - before
+    status = Path("/proc/self/status")
+    before = int(_RSS.search(status.read_text()).group(1))
+    Path("/proc/self/clear_refs").write_text("5")  # the high-water mark := the resident size now
+    fn()
+    return (int(_HWM.search(status.read_text()).group(1)) - before) * 1024
+
+
+def _capacity(device: torch.device) -> float | None:
+    """See the module docstring; None where the host does not say."""
+    if device.type == "cuda":
+        return float(torch.cuda.get_device_properties(device).total_memory)
+    try:
+        physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
+    return float(physical // max(1, local))
+
+
+def _staging(device: torch.device) -> dict[str, float]:
+    """Per kind of collective: bytes it takes beyond its preallocated input and output, per byte of
+    its full buffer. On the CPU only where the kernel's counters can be read (Linux), else nothing."""
+    if device.type == "cpu" and not Path("/proc/self/clear_refs").exists():
+        return {}
+    result = {}
+    for kind in ("all_gather", "reduce_scatter", "all_reduce"):
+        run = _collective(kind, _STAGING_BYTES, device)
+        run()  # connections and first-use allocations
+        dist.barrier()
+        result[kind] = max(0, _high_water(run, device)) / _STAGING_BYTES
+        del run
+    return result
+
+
+def _optimizers(device: torch.device, plan: _Plan) -> dict[str, list[tuple[int, int, float]]]:
+    """Seconds of one optimizer step over DTensor shards, per optimizer and shape of `plan`."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    world = dist.get_world_size()
+    mesh = init_device_mesh(device.type, (world,))
+    makers = {
+        "adamw": lambda params: torch.optim.AdamW(params, lr=1e-3),
+        "sgd": lambda params: torch.optim.SGD(params, lr=1e-3, momentum=0.9),
+    }
+    result = {}
+    for name, make in makers.items():
+        result[name] = []
+        for tensors, elements in plan.optimizer_shapes:
+            params = []
+            for _ in range(tensors):
+                full = torch.zeros(elements * world, device=device)
+                param = torch.nn.Parameter(distribute_tensor(full, mesh, [Shard(0)]))
+                param.grad = distribute_tensor(torch.ones_like(full), mesh, [Shard(0)])
+                params.append(param)
+            optimizer = make(params)
+            optimizer.step()  # creates the state: the timed steps are steady-state ones
+            result[name].append((tensors, elements, _median_s(optimizer.step, device, plan.repeats)))
+    return result
+
+
 def _agree(values: list[float], device: torch.device) -> list[float]:
     """The largest of each value over the ranks."""
     tensor = torch.tensor(values, dtype=torch.float64, device=device)
@@ -156,10 +308,18 @@ def measure(*, device: torch.device, quick: bool = False) -> Measurements:
         for kind in kinds
     }
     overlap = _overlap(device, plan, plan.repeats)
+    wake = _wake(device, plan)
+    optimizers = _optimizers(device, plan)
+    staging = _staging(device)
+    steps = [s for name in optimizers for _, _, s in optimizers[name]]
     flat = [matmul_s, copy_s, *overlap, *(t for kind in kinds for t in timings[kind])]
-    agreed = _agree(flat, device)
+    staged = [staging.get(kind, 0.0) for kind in kinds]
+    agreed = _agree([*flat, *(v for point in wake for v in point), *steps, *staged], device)
+    staged, agreed = agreed[-len(kinds) :], agreed[: -len(kinds)]
     matmul_s, copy_s, compute_s, comm_s, both_s = agreed[:5]
-    times = iter(agreed[5:])
+    times = iter(agreed[5 : len(flat)])
+    wake_values = iter(agreed[len(flat) : len(flat) + 2 * len(wake)])
+    step_times = iter(agreed[len(flat) + 2 * len(wake) :])
     return Measurements(
         world_size=dist.get_world_size(),
         backend=str(dist.get_backend()),
@@ -173,4 +333,8 @@ def measure(*, device: torch.device, quick: bool = False) -> Measurements:
         overlap_compute_s=compute_s,
         overlap_comm_s=comm_s,
         overlap_both_s=both_s,
+        wake=[(next(wake_values), next(wake_values)) for _ in wake],
+        optimizers={name: [(t, e, next(step_times)) for t, e, _ in shapes] for name, shapes in optimizers.items()},
+        staging=dict(zip(kinds, staged, strict=True)) if staging else {},
+        capacity_bytes=_capacity(device),
     )

@@ -10,14 +10,17 @@ holding what it saves for backward ("activations"); the backward starts from the
 
     peak = params + optimizer state + max(forward peak, backward peak)
 
-where the backward peak includes the reduced gradients produced so far. Ignored: allocator
-fragmentation and caching, workspace of libraries (cuBLAS, NCCL), inputs, and fusion (inductor
-may fuse away intermediates this walk counts: the walk is an upper bound for the transients).
+where the backward peak includes the reduced gradients produced so far, and the communication
+library's staging buffers while a collective is in flight when the device profile measured them
+(a calibrated gloo profile does; see `passes/cost.py`). Ignored: allocator fragmentation and
+caching, workspace of libraries (cuBLAS), inputs, and fusion (inductor may fuse away intermediates
+this walk counts: the walk is an upper bound for the transients).
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 
 import torch
 from torch import fx, nn
@@ -104,8 +107,11 @@ def persistent_bytes(model: nn.Module, *, optimizer: str = "adamw") -> Persisten
     )
 
 
-def estimate_memory(capture: StepCapture, *, optimizer: str = "adamw") -> MemoryEstimate:
-    """Peak memory per rank of one training step of `capture` (see [Note: what the estimate counts])."""
+def estimate_memory(
+    capture: StepCapture, *, optimizer: str = "adamw", staging: Mapping[str, float] | None = None
+) -> MemoryEstimate:
+    """Peak memory per rank of one training step of `capture` (see [Note: what the estimate counts]);
+    `staging`: per kind of collective, bytes staged per byte of its full buffer (`DeviceProfile.staging`)."""
     persistent = persistent_bytes(capture.model, optimizer=optimizer)
     forward_params = _parameter_inputs(capture.forward, capture.model)
     backward_params = {n.name for n in capture.backward.find_nodes(op="placeholder") if n.name in forward_params}
@@ -113,6 +119,6 @@ def estimate_memory(capture: StepCapture, *, optimizer: str = "adamw") -> Memory
         params_bytes=persistent.params_bytes,
         grads_bytes=persistent.grads_bytes,
         optimizer_bytes=persistent.optimizer_bytes,
-        forward=graph_peak(capture.forward, skip_inputs=forward_params),
-        backward=graph_peak(capture.backward, skip_inputs=backward_params),
+        forward=graph_peak(capture.forward, skip_inputs=forward_params, staging=staging),
+        backward=graph_peak(capture.backward, skip_inputs=backward_params, staging=staging),
     )

@@ -98,5 +98,5 @@ def inspect_model(
         schedule=simulate_step(
             captured.forward, captured.backward, device=profile, model=captured.model, optimizer=optimizer
         ),
-        memory=estimate_memory(captured, optimizer=optimizer),
+        memory=estimate_memory(captured, optimizer=optimizer, staging=dict(profile.staging)),
     )

@@ -6,7 +6,9 @@ per process group. `simulate` replays a post-pass graph in node order with
 `passes/cost.py` (the same model the `auto` bucket plan uses):
 - a compute node advances the compute clock by its roofline seconds;
 - a collective launch starts when both the compute clock has reached it and its group's stream
-  is free, and lasts its alpha-beta seconds;
+  is free, and lasts its alpha-beta seconds, plus the profile's wake-up latency for the time the
+  stream sat idle before it (the first collective of a graph: as long as it takes to saturate; see
+  [Note: what a training step adds] in `passes/cost.py`);
 - a wait stalls the compute clock until its collective has finished; that stall is the
   collective's *exposed* time;
 - where communication does not fully run in parallel with compute (a profile's `overlap` below 1:
@@ -14,8 +16,9 @@ per process group. `simulate` replays a post-pass graph in node order with
   ran behind compute costs the compute clock `(1 - overlap)` of it at the wait, counted as exposed.
 A collective is "overlapped" if its wait never stalls (within 1% of its duration), "exposed" if
 no compute runs between its launch and its wait, "partly exposed" otherwise. Step time is the
-forward, then the backward, then the optimizer update of this rank's shards (memory bound:
-`optimizer_bytes_per_element` bytes read and written per sharded element).
+forward, then the backward, then the optimizer update of this rank's shards
+(`cost.optimizer_seconds`: measured per tensor and per element in a calibrated profile, memory
+bound otherwise).
 
 Invariant: the result depends only on the graph and the profile (never on timing), so it is
 the same on every rank and every run.
@@ -24,6 +27,7 @@ the same on every rank and every run.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import torch
 from torch import fx
@@ -34,7 +38,6 @@ from simplefsdp.passes import cost
 from simplefsdp.passes.collectives import Collective, is_bucket_copy, is_wait, parse_collective
 
 __all__ = [
-    "OPTIMIZER_BYTES_PER_ELEMENT",
     "CommEvent",
     "ComputeSpan",
     "PhaseSchedule",
@@ -42,10 +45,6 @@ __all__ = [
     "simulate",
     "simulate_step",
 ]
-
-# bytes read + written per fp32 sharded element by one optimizer step: SGD reads the grad and
-# reads / writes the param; AdamW also reads / writes two moments
-OPTIMIZER_BYTES_PER_ELEMENT = {"adamw": 4 + 8 + 16, "sgd": 4 + 8, "none": 0}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -169,8 +168,10 @@ def simulate(
         collective = parse_collective(node)
         if collective is not None:
             lane = collective.group_name
-            begin = max(clock, stream_free.get(lane, start_s))
-            end = begin + cost.seconds_of(device, collective)
+            free = stream_free.get(lane, -math.inf)
+            begin = max(clock, free)
+            extra = cost.wake_seconds(device, idle_s=clock - free, compute_s=clock - max(free, start_s))
+            end = begin + cost.seconds_of(device, collective) + extra
             stream_free[lane] = end
             pending[node] = _Launch(collective=collective, start_s=begin, end_s=end, launch_s=clock)
             waiting_for_compute.append(("launch", pending[node]))
@@ -243,13 +244,13 @@ def simulate_step(
     optimizer: str = "adamw",
 ) -> StepSchedule:
     """Forward, then backward, then the optimizer update of this rank's shards of `model`."""
-    if optimizer not in OPTIMIZER_BYTES_PER_ELEMENT:
-        raise ValueError(f"unknown optimizer {optimizer!r}; known: {sorted(OPTIMIZER_BYTES_PER_ELEMENT)}")
+    trainable = [_local(p) for p in model.parameters() if p.requires_grad]
+    optimizer_s = cost.optimizer_seconds(
+        device, optimizer=optimizer, tensors=len(trainable), elements=sum(t.numel() for t in trainable)
+    )
     blocks = find_repeated_blocks(model)
     fwd = simulate(forward, device=device, phase="forward", blocks=blocks)
     bwd = simulate(backward, device=device, phase="backward", start_s=fwd.end_s, blocks=blocks)
-    elements = sum(_local(p).numel() for p in model.parameters() if p.requires_grad)
-    optimizer_s = elements * OPTIMIZER_BYTES_PER_ELEMENT[optimizer] / device.memory_bytes_per_s
     return StepSchedule(device=device, forward=fwd, backward=bwd, optimizer_s=optimizer_s)
 
 

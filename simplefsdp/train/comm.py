@@ -68,8 +68,9 @@ def _count(graphs: list[fx.Graph]) -> int:
     return sum(is_collective(node) for graph in graphs for node in graph.nodes)
 
 
-def _peak(graphs: list[fx.Graph]) -> int:
-    return max((graph_peak(graph).peak_bytes for graph in graphs), default=0)
+def _peak(graphs: list[fx.Graph], profile: cost.DeviceProfile) -> int:
+    staging = dict(profile.staging)  # the communication library's own buffers, where the profile measured them
+    return max((graph_peak(graph, staging=staging).peak_bytes for graph in graphs), default=0)
 
 
 def summarize(model: nn.Module, graphs: StepGraphs | None, *, profile: cost.DeviceProfile) -> CommSummary:
@@ -88,6 +89,6 @@ def summarize(model: nn.Module, graphs: StepGraphs | None, *, profile: cost.Devi
         collectives_before_pass=_count(graphs.pre),
         overlapped_pct=overlapped,
         profile=profile.name,
-        peak_bytes=_peak(graphs.post),
-        peak_bytes_before_pass=_peak(graphs.pre),
+        peak_bytes=_peak(graphs.post, profile),
+        peak_bytes_before_pass=_peak(graphs.pre, profile),
     )

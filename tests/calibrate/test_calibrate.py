@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 
 from simplefsdp.calibrate import calibrate
-from simplefsdp.calibrate.fit import fit_alpha_beta, overlap_share
+from simplefsdp.calibrate.fit import fit_alpha_beta, fit_optimizer, fit_wake, overlap_share
 from simplefsdp.passes import cost
 
 
@@ -64,5 +65,33 @@ def test_quick_calibration_on_two_ranks_round_trips(tmp_path):
     data = json.loads(out.read_text())
     assert data["measured"]["world_size"] == 2
     assert len(data["measured"]["collectives"]["all_gather"]) >= 3, "the raw points are kept"
+    assert {name for name, _, _ in profile.optimizers} == {"adamw", "sgd"}, "both optimizers measured"
+    assert all(t >= 0 and e >= 0 for _, t, e in profile.optimizers)
+    assert profile.wake_s >= 0
+    assert len(data["measured"]["wake"]) == 2, "two idle stretches in quick mode"
+    assert set(data["staging"]) == set(cost.COLLECTIVE_KINDS), "staging measured for every kind (Linux)"
     big = cost.collective_seconds(profile, kind="reduce_scatter", nbytes=2**24, world=2)
     assert big > cost.collective_seconds(profile, kind="reduce_scatter", nbytes=2**12, world=2)
+
+
+def test_fit_wake_recovers_a_saturating_curve_with_drift_and_clamps_noise():
+    wake, tau, drift = 1e-3, 0.5e-3, 0.25
+    idles = (0.25e-3, 0.5e-3, 1e-3, 2e-3, 4e-3, 8e-3)
+    points = [(idle, wake * -math.expm1(-idle / tau) + drift * idle) for idle in idles]
+    got_wake, got_tau, got_drift = fit_wake(points)
+    assert got_tau == pytest.approx(tau, rel=0.08), "the grid has 16 steps per decade"
+    assert got_wake == pytest.approx(wake, rel=0.05)
+    assert got_drift == pytest.approx(drift, rel=0.05)
+    saturating = [(idle, wake * -math.expm1(-idle / tau)) for idle in idles]
+    assert fit_wake(saturating)[2] * 8e-3 < 0.02 * wake, "(next to) no drift where the extra saturates"
+    assert fit_wake([(1e-3, -1e-5), (4e-3, -2e-5)]) == (0.0, 1e-4, 0.0), "negative extras (noise): no extra"
+    assert fit_wake([]) == (0.0, 1e-3, 0.0)
+
+
+def test_fit_optimizer_solves_per_tensor_and_per_element():
+    per_tensor, per_element = 2e-4, 3e-9
+    points = [(n, e, n * per_tensor + n * e * per_element) for n, e in ((64, 4096), (4, 1 << 20))]
+    assert fit_optimizer(points) == pytest.approx((per_tensor, per_element), rel=1e-9)
+    assert fit_optimizer([(64, 4096, 1e-3), (4, 1 << 20, 1.0)])[0] == 0.0, "clamped, not negative"
+    with pytest.raises(ValueError, match="at least two shapes"):
+        fit_optimizer(points[:1])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import pytest
 import torch
@@ -16,26 +17,37 @@ from simplefsdp.passes import cost
 aten = torch.ops.aten
 
 
-def _gather_behind_a_matmul() -> fx.Graph:
-    """launch all-gather; mm (compute); wait; use."""
+def _graph(*ops: str) -> fx.Graph:
+    """A graph of `ops` in order: "launch" an all-gather of a 512 x 1024 shard over 2 ranks, "wait"
+    for the oldest one not yet waited, "mm" a 1024^3 matmul; it returns every wait and matmul."""
     with FakeTensorMode() as mode:
         shard, x = mode.from_tensor(torch.zeros(512, 1024)), mode.from_tensor(torch.zeros(1024, 1024))
         full, y = c10d.all_gather_into_tensor.default(shard, 2, "0"), aten.mm.default(x, x)
     graph = fx.Graph()
     s, a = graph.placeholder("shard"), graph.placeholder("x")
     s.meta["val"], a.meta["val"] = shard, x
-    launch = graph.call_function(c10d.all_gather_into_tensor.default, (s, 2, "0"))
-    mm = graph.call_function(aten.mm.default, (a, a))
-    wait = graph.call_function(c10d.wait_tensor.default, (launch,))
-    launch.meta["val"], mm.meta["val"], wait.meta["val"] = full, y, full
-    graph.output((wait, mm))
+    pending, returned = [], []
+    for op in ops:
+        if op == "launch":
+            node = graph.call_function(c10d.all_gather_into_tensor.default, (s, 2, "0"))
+            node.meta["val"] = full
+            pending.append(node)
+        elif op == "wait":
+            node = graph.call_function(c10d.wait_tensor.default, (pending.pop(0),))
+            node.meta["val"] = full
+            returned.append(node)
+        else:
+            node = graph.call_function(aten.mm.default, (a, a))
+            node.meta["val"] = y
+            returned.append(node)
+    graph.output(tuple(returned))
     return graph
 
 
 @pytest.mark.parametrize("overlap", [0.0, 0.5, 1.0])
 def test_overlap_share_of_hidden_time_is_charged(overlap):
     device = dataclasses.replace(cost.profile("cpu-gloo"), overlap=overlap)
-    graph = _gather_behind_a_matmul()
+    graph = _graph("launch", "mm", "wait")
     comm = cost.collective_seconds(device, kind="all_gather", nbytes=1024 * 1024 * 4, world=2)
     compute = 2 * 1024**3 / device.flops_per_s
     schedule = simulate(graph, device=device, phase="forward")
@@ -43,3 +55,21 @@ def test_overlap_share_of_hidden_time_is_charged(overlap):
     expected = (comm - hidden) + (1 - overlap) * hidden
     assert schedule.exposed_s == pytest.approx(expected, rel=1e-9)
     assert schedule.comm[0].exposed_s == pytest.approx(expected, rel=1e-9)
+
+
+def test_wake_up_latency_grows_with_the_idle_stretch_before_a_collective():
+    base = cost.profile("cpu-gloo")
+    device = dataclasses.replace(base, wake_s=2e-3, wake_tau_s=10e-3)
+    comm = cost.collective_seconds(device, kind="all_gather", nbytes=1024 * 1024 * 4, world=2)
+    compute = 2 * 1024**3 / device.flops_per_s
+    schedule = simulate(_graph("launch", "wait", "mm", "launch", "wait"), device=device, phase="forward")
+    first, second = schedule.comm
+    assert first.duration_s == pytest.approx(comm + 2e-3, rel=1e-9), "a graph's first collective: fully idle before"
+    assert second.duration_s == pytest.approx(comm + 2e-3 * -math.expm1(-compute / 10e-3), rel=1e-9)
+    assert schedule.exposed_s == pytest.approx(first.duration_s + second.duration_s, rel=1e-9), "nothing hides them"
+    drifting = dataclasses.replace(device, drift=0.5)
+    drifted = simulate(_graph("launch", "wait", "mm", "launch", "wait"), device=drifting, phase="forward")
+    assert drifted.comm[0].duration_s == pytest.approx(first.duration_s), "no compute before the first"
+    assert drifted.comm[1].duration_s == pytest.approx(second.duration_s + 0.5 * compute, rel=1e-9)
+    plain = simulate(_graph("launch", "wait", "mm", "launch", "wait"), device=base, phase="forward")
+    assert plain.exposed_s == pytest.approx(2 * comm, rel=1e-9), "no wake-up in the named profiles"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import operator
 
 import pytest
@@ -74,3 +76,51 @@ def test_reshape_is_free_only_when_it_is_a_view():
 def test_unknown_profile_is_named():
     with pytest.raises(ValueError, match=r"unknown device profile 'tpu'.*'h100'"):
         BucketConfig(plan="auto", device="tpu")
+
+
+def test_wake_seconds_saturate_and_drift_grows_with_compute():
+    device = dataclasses.replace(cost.profile("cpu-gloo"), wake_s=3e-3, wake_tau_s=2e-3)
+    assert cost.wake_seconds(device, idle_s=0.0, compute_s=0.0) == 0.0
+    assert cost.wake_seconds(device, idle_s=-1.0, compute_s=0.0) == 0.0, "the stream is still busy: no idle time"
+    assert cost.wake_seconds(device, idle_s=2e-3, compute_s=2e-3) == pytest.approx(3e-3 * (1 - math.exp(-1)))
+    assert cost.wake_seconds(device, idle_s=math.inf, compute_s=0.0) == pytest.approx(3e-3)
+    drifting = dataclasses.replace(device, drift=0.25)
+    assert cost.wake_seconds(drifting, idle_s=math.inf, compute_s=8e-3) == pytest.approx(3e-3 + 2e-3)
+    assert cost.wake_seconds(H100, idle_s=math.inf, compute_s=1.0) == 0.0, "datasheet profiles charge none"
+
+
+def test_optimizer_seconds_measured_or_memory_bound():
+    elements = 10**6
+    assert cost.optimizer_seconds(H100, optimizer="adamw", tensors=7, elements=elements) == pytest.approx(
+        elements * 28 / H100.memory_bytes_per_s
+    )
+    assert cost.optimizer_seconds(H100, optimizer="none", tensors=7, elements=elements) == 0.0
+    measured = dataclasses.replace(H100, optimizers=(("adamw", 1e-4, 2e-9),))
+    assert cost.optimizer_seconds(measured, optimizer="adamw", tensors=7, elements=elements) == pytest.approx(
+        7e-4 + 2e-3
+    )
+    assert cost.optimizer_seconds(measured, optimizer="sgd", tensors=7, elements=elements) == pytest.approx(
+        elements * 20 / H100.memory_bytes_per_s
+    ), "an optimizer the profile did not measure falls back to memory bound"
+    with pytest.raises(ValueError, match="unknown optimizer 'lamb'"):
+        cost.optimizer_seconds(H100, optimizer="lamb", tensors=1, elements=1)
+
+
+def test_profile_file_round_trips_the_step_terms(tmp_path):
+    device = dataclasses.replace(
+        H100,
+        name="measured",
+        wake_s=1e-3,
+        wake_tau_s=4e-3,
+        drift=0.1,
+        staging=(("all_gather", 1.0),),
+        optimizers=(("adamw", 1e-4, 2e-9), ("sgd", 5e-5, 1e-9)),
+    )
+    cost.save_profile(device, tmp_path / "p.json")
+    assert cost.profile(str(tmp_path / "p.json")) == device
+    with pytest.raises(ValueError, match=r"optimizers must be at most one each of .*got \['adam'\]"):
+        dataclasses.replace(H100, optimizers=(("adam", 1e-4, 1e-9),))
+    with pytest.raises(ValueError, match="wake_s and drift must be >= 0"):
+        dataclasses.replace(H100, wake_s=-1.0)
+    with pytest.raises(ValueError, match="wake_s and drift must be >= 0"):
+        dataclasses.replace(H100, drift=-0.1)

@@ -68,3 +68,15 @@ def test_comm_buffers_are_told_apart():
     launch.meta["val"] = wait.meta["val"] = full
     graph.output((wait,))
     assert graph_peak(graph).at_peak[COMM_BUFFERS] == 256 * 256 * 4, "the gathered output"
+
+
+def test_staging_is_held_from_launch_to_wait_where_the_profile_measured_it():
+    """gloo stages about one full buffer per collective: 1 MiB for the reduce-scatter of the 1 MiB
+    gradient, alive across the 2 MiB matmul; an all-gather factor changes nothing here."""
+    graph, _ = _reduce_then_compute()
+    plain = graph_peak(graph)
+    staged = graph_peak(graph, staging={"reduce_scatter": 1.0, "all_gather": 5.0})
+    assert staged.peak_bytes == plain.peak_bytes + 1 * MIB
+    assert staged.at_peak[COMM_BUFFERS] == plain.at_peak.get(COMM_BUFFERS, 0) + 1 * MIB
+    assert staged.end_bytes == plain.end_bytes, "freed at the wait"
+    assert peak_bytes(graph) == 1 * MIB + MIB // 2 + 2 * MIB, "the pass's own check counts no staging"
