@@ -4,6 +4,7 @@
     simplefsdp inspect small-8 --world 8 --code --out inspect-small/   # also inductor's code (CPU)
     simplefsdp inspect mypkg.models:build --world 64                   # a factory -> (model, input)
     simplefsdp inspect llama3-405b --world 1024 --max-in-flight-gib 16  # let 6.4 GB blocks prefetch
+    simplefsdp inspect llama3-70b --world 64 --tp 8 --ac full --device h100  # does it fit, and how fast?
 
 The output is this command's product, so it prints (rich tables); the library logs.
 """
@@ -21,8 +22,9 @@ from rich.table import Table
 
 import simplefsdp
 from simplefsdp.inspect.buckets import module_summary
-from simplefsdp.inspect.dryrun import DryRunResult, dry_run
+from simplefsdp.inspect.dryrun import AC_POLICIES, DryRunResult, dry_run
 from simplefsdp.inspect.shapes import SHAPES, ModelShape, model_shape
+from simplefsdp.inspect.verdict import MemoryVerdict, memory_verdict
 from simplefsdp.passes import cost
 from simplefsdp.passes.fsdp_pass import parse_memory_budget
 from simplefsdp.strategy import ShardingStrategy
@@ -38,7 +40,9 @@ def _mib(nbytes: float) -> str:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", help=f"a shape ({', '.join(SHAPES)}) or 'module:function' -> (model, example input)")
-    parser.add_argument("--world", type=int, default=8, help="data-parallel world size (fake process group)")
+    parser.add_argument("--world", type=int, default=8, help="ranks in all, data x tensor parallel (fake group)")
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (named shapes); must divide --world")
+    parser.add_argument("--ac", choices=AC_POLICIES, default="none", help="activation checkpointing of every block")
     parser.add_argument(
         "--device",
         default="h100",
@@ -60,10 +64,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="auto plan: bytes the pass may add to a graph's peak, 0.25 (a fraction) or 512MiB",
     )
-    parser.add_argument("--batch", type=int, default=None, help="per-rank batch (shapes only)")
+    parser.add_argument(
+        "--micro-batch", "--batch", dest="batch", type=int, default=None, help="sequences per data-parallel rank"
+    )
     parser.add_argument("--seq", type=int, default=None, help="sequence length (shapes only)")
     parser.add_argument("--optimizer", choices=["adamw", "sgd", "none"], default="adamw")
     parser.add_argument("--max-traced-blocks", type=int, default=8, help="deeper shapes: trace 3 and 4, extrapolate")
+    parser.add_argument(
+        "--device-memory-gib", type=float, default=None, help="memory per device (default: the profile's capacity)"
+    )
+    parser.add_argument("--margin", type=float, default=0.1, help="safety margin of the fits verdict (default 0.1)")
     parser.add_argument("--code", action="store_true", help="build on the CPU, compile with inductor, keep its code")
     parser.add_argument("--out", default=None, help="directory for graphs, code, JSON tables and timeline.png/html")
     parser.add_argument("--rows", type=int, default=20, help="rows shown per table (all are in --out's JSON)")
@@ -117,7 +127,27 @@ def run(args: argparse.Namespace) -> DryRunResult:
         optimizer=args.optimizer,
         max_traced_blocks=args.max_traced_blocks,
         code=args.code,
+        tp=args.tp,
+        ac=args.ac,
     )
+
+
+def verdict_of(result: DryRunResult, args: argparse.Namespace) -> MemoryVerdict:
+    """The fits verdict per the parsed `--device-memory-gib` and `--margin`."""
+    capacity = None if args.device_memory_gib is None else args.device_memory_gib * 2**30
+    return memory_verdict(result, margin=args.margin, capacity_bytes=capacity)
+
+
+def _verdict_table(verdict: MemoryVerdict) -> Table:
+    style = {True: "green", False: "red", None: "yellow"}[verdict.fits]
+    table = Table(title=f"[{style}]{verdict.line()}[/{style}]", show_header=True)
+    table.add_column("peak memory per rank, by part")
+    table.add_column("bytes", justify="right")
+    table.add_column("share", justify="right")
+    total = sum(verdict.parts.values()) or 1
+    for part, nbytes in verdict.parts.items():
+        table.add_row(part, _mib(nbytes), f"{100 * nbytes / total:.0f}%")
+    return table
 
 
 def _tables(result: DryRunResult, rows: int) -> list[Table]:
@@ -127,7 +157,10 @@ def _tables(result: DryRunResult, rows: int) -> list[Table]:
         "model",
         f"{result.model} ({sum(p.numel() for p in report.capture.model.parameters()) / 1e6:,.1f}M parameters traced)",
     )
-    summary.add_row("world / device", f"{result.world_size} ranks, {result.device.name}")
+    dp = result.world_size // result.tp
+    layout = f"{dp} data x {result.tp} tensor parallel" if result.tp > 1 else "data parallel"
+    summary.add_row("world / device", f"{result.world_size} ranks ({layout}), {result.device.name}")
+    summary.add_row("activation checkpointing", result.ac)
     summary.add_row(
         "traced",
         "in full"
@@ -188,12 +221,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     console = Console()
     try:
+        if args.device_memory_gib is not None and not args.device_memory_gib > 0:
+            raise ValueError(f"--device-memory-gib must be > 0, got {args.device_memory_gib}")
+        if not 0.0 <= args.margin < 1.0:
+            raise ValueError(f"--margin must be in [0, 1), got {args.margin}")
         result = run(args)
+        verdict = verdict_of(result, args)
     except (ValueError, RuntimeError) as error:
         console.print(f"[red]error:[/red] {error}")
         return 2
     for table in _tables(result, args.rows):
         console.print(table)
+    console.print(_verdict_table(verdict))
     if args.out:
         written = result.report.save(args.out)
         console.print(f"wrote {', '.join(str(p) for p in written.values())}")

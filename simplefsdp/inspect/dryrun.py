@@ -21,6 +21,11 @@ a full trace of 8 blocks, step time and exposed time agree to 1e-6; the memory p
 over time rather than a sum, to 0.6%. Persistent memory (parameters, gradients, optimizer state) is computed from the
 full-depth model, not extrapolated. Results say which blocks were traced (`traced_blocks`).
 
+Tensor parallelism (`tp > 1`, named shapes only): the world becomes a `(world / tp, tp)` mesh
+named ("dp", "tp"); the model is parallelized on "tp" with `simplefsdp.models.tensor_parallel_plan`
+(sequence parallel) and wrapped on "dp". Activation checkpointing (`ac="full" | "selective"`)
+checkpoints every repeated block with `simplefsdp.checkpoint_blocks` before wrapping.
+
 Device profiles: `passes/cost.py` holds the numbers and their sources; any `DeviceProfile` (e.g.
 one measured on the machine, as `bench/inspect_validate.py` does) can be passed instead of a name.
 """
@@ -47,7 +52,7 @@ from simplefsdp.inspect.shapes import ModelShape, model_shape
 from simplefsdp.passes import cost
 from simplefsdp.strategy import ShardingStrategy
 
-__all__ = ["DryRunResult", "dry_run", "fake_world", "make_mesh"]
+__all__ = ["AC_POLICIES", "DryRunResult", "dry_run", "fake_world", "make_mesh"]
 
 logger = logging.getLogger(__name__)
 
@@ -88,6 +93,39 @@ def make_mesh(*, strategy: ShardingStrategy | str, world_size: int, shard_size: 
     return init_device_mesh("cpu", (world_size // shard_size, shard_size), mesh_dim_names=("replicate", "shard"))
 
 
+AC_POLICIES = ("none", "full", "selective")
+
+
+def _tp_mesh(*, strategy: ShardingStrategy, world_size: int, tp: int) -> DeviceMesh:
+    """The ("dp", "tp") mesh of `world_size` ranks, `tp` ranks per tensor-parallel group."""
+    if not isinstance(tp, int) or tp < 1 or world_size % tp:
+        raise ValueError(f"tp must be a positive integer dividing the world size {world_size}, got {tp!r}")
+    if strategy.is_hybrid:
+        raise ValueError(
+            f"the dry run composes tensor parallelism with FULL_SHARD / SHARD_GRAD_OP, not {strategy.value}"
+        )
+    return init_device_mesh("cpu", (world_size // tp, tp), mesh_dim_names=("dp", "tp"))
+
+
+def _prepare(module: nn.Module, *, ac: str, tp_mesh: DeviceMesh | None) -> None:
+    """Tensor-parallelize and checkpoint `module` as the dry run's settings say, before wrapping."""
+    if tp_mesh is not None:
+        from torch.distributed.tensor.parallel import parallelize_module
+
+        from simplefsdp.models import tensor_parallel_plan
+
+        parallelize_module(module, tp_mesh, tensor_parallel_plan(module))
+    if ac != "none":
+        simplefsdp.checkpoint_blocks(module, policy=ac)
+
+
+def _peak_parts(report: Report) -> dict[str, int]:
+    """Transient bytes by kind at the peak of the graph (forward or backward) whose peak is larger."""
+    memory = report.memory
+    peak = memory.backward if memory.backward.peak_bytes >= memory.forward.peak_bytes else memory.forward
+    return dict(peak.at_peak)
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class DryRunResult:
     model: str
@@ -99,8 +137,11 @@ class DryRunResult:
     exposed_s: float
     peak_bytes: int
     persistent: Persistent  # parameters, gradients, optimizer state of the full-depth model, per rank
+    transient_parts: dict[str, int]  # the transient peak by kind (liveness.ACTIVATIONS, ...), full depth
     report: Report  # the last trace (its tables and pictures show the traced blocks only)
     trace_s: float
+    tp: int = 1
+    ac: str = "none"
 
     @property
     def exposed_pct(self) -> float:
@@ -141,6 +182,8 @@ def dry_run(
     optimizer: str = "adamw",
     max_traced_blocks: int = 8,
     code: bool = False,
+    tp: int = 1,
+    ac: str = "none",
 ) -> DryRunResult:
     """Predict one training step of `model` at `world_size` ranks on `device` (module docstring).
 
@@ -148,16 +191,28 @@ def dry_run(
     `(unwrapped model, example input)` -- build it on the meta device to trace without memory.
     `mp_policy` defaults to bf16 gathers with fp32 reductions. `batch` / `seq` override a shape's
     per-rank example batch. `code=True` compiles with inductor and keeps its code (the factory must
-    then build on the CPU). Needs a process without a process group (it makes its own)."""
+    then build on the CPU). `tp`: tensor-parallel degree (named shapes; see the module docstring);
+    `ac`: activation checkpointing of every block, one of `AC_POLICIES`. Needs a process without a
+    process group (it makes its own)."""
     profile = resolve_profile(device)  # fail fast on bad input, before tracing anything
     check_optimizer(optimizer)
+    if ac not in AC_POLICIES:
+        raise ValueError(f"unknown activation checkpointing {ac!r}; known: {', '.join(AC_POLICIES)}")
+    if tp != 1 and not isinstance(model, (str, ModelShape)):
+        raise ValueError("tp > 1 needs a named shape (a factory's model has no tensor-parallel plan here)")
     if mp_policy is None:
         mp_policy = simplefsdp.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     shape = model_shape(model) if isinstance(model, str) else model
     name = shape.name if isinstance(shape, ModelShape) else getattr(model, "__name__", type(model).__name__)
     started = time.perf_counter()
+    strategy = ShardingStrategy.parse(strategy)
     with fake_world(world_size):
-        mesh = make_mesh(strategy=strategy, world_size=world_size, shard_size=shard_size)
+        tp_mesh = None
+        if tp == 1:
+            mesh = make_mesh(strategy=strategy, world_size=world_size, shard_size=shard_size)
+        else:
+            world_mesh = _tp_mesh(strategy=strategy, world_size=world_size, tp=tp)
+            mesh, tp_mesh = world_mesh["dp"], world_mesh["tp"]
 
         def trace(n_layers: int | None) -> Report:
             torch.compiler.reset()  # a fresh Dynamo cache: each trace is a new model of the same class
@@ -165,6 +220,7 @@ def dry_run(
                 module, example = shape.build(n_layers=n_layers), shape.example_input(batch=batch, seq=seq)
             else:
                 module, example = shape()
+            _prepare(module, ac=ac, tp_mesh=tp_mesh)
             simplefsdp.wrap(module, mesh, strategy=strategy, mp_policy=mp_policy, passes=passes)
             return inspect_model(module, example, device=profile, optimizer=optimizer, code=code)
 
@@ -173,6 +229,7 @@ def dry_run(
             report = trace(full_layers)
             traced, step_s, exposed_s = (full_layers or 0,), report.schedule.step_s, report.schedule.exposed_s
             transient = report.memory.transient_bytes
+            parts = _peak_parts(report)
             persistent = persistent_bytes(report.capture.model, optimizer=optimizer)
         else:
             small, report = trace(_TRACED), trace(_TRACED + 1)
@@ -184,7 +241,10 @@ def dry_run(
             step_s = extrapolate(lambda r: r.schedule.step_s)
             exposed_s = extrapolate(lambda r: r.schedule.exposed_s)
             transient = int(extrapolate(lambda r: r.memory.transient_bytes))
+            kinds = set(_peak_parts(small)) | set(_peak_parts(report))
+            parts = {k: int(extrapolate(lambda r, k=k: _peak_parts(r).get(k, 0))) for k in kinds}
             full = shape.build()  # meta: costs nothing; wrapped only to shard it as the traced ones were
+            _prepare(full, ac="none", tp_mesh=tp_mesh)
             simplefsdp.wrap(full, mesh, strategy=strategy, mp_policy=mp_policy, passes=None)
             persistent = persistent_bytes(full, optimizer=optimizer)
     result = DryRunResult(
@@ -197,8 +257,11 @@ def dry_run(
         exposed_s=exposed_s,
         peak_bytes=persistent.params_bytes + persistent.optimizer_bytes + transient,
         persistent=persistent,
+        transient_parts=parts,
         report=report,
         trace_s=time.perf_counter() - started,
+        tp=tp,
+        ac=ac,
     )
     logger.info("dry run: %s (%.1f s)", result.describe(), result.trace_s)
     return result

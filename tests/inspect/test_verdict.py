@@ -1,0 +1,109 @@
+"""The planner's inputs and verdict: memory capacity, fits / does not fit with the peak's parts,
+activation checkpointing and tensor parallelism in the dry run, and the bad input they can get."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from simplefsdp.inspect import cli
+from simplefsdp.inspect.dryrun import dry_run
+from simplefsdp.inspect.verdict import OPTIMIZER, PARAMETERS, memory_verdict
+from simplefsdp.passes import cost
+from simplefsdp.passes.collectives import find_collectives
+from simplefsdp.passes.liveness import ACTIVATIONS
+
+GIB = 2**30
+
+
+@pytest.fixture(scope="module")
+def small_w8():
+    return dry_run("small-8", world_size=8, device="h100")
+
+
+def test_profiles_carry_their_memory_capacity():
+    assert cost.profile("h100").capacity_bytes == 80e9
+    assert cost.profile("h200").capacity_bytes == 141e9
+    assert cost.profile("a100").capacity_bytes == 80e9
+    assert cost.profile("a100-40gb").capacity_bytes == 40e9
+    assert cost.profile("cpu-gloo").capacity_bytes is None, "a host's memory is not a datasheet number"
+
+
+def test_verdict_against_the_capacity_and_its_margin(small_w8):
+    peak = small_w8.peak_bytes
+    roomy = memory_verdict(small_w8, capacity_bytes=2 * peak)
+    assert roomy.fits is True
+    assert sum(roomy.parts.values()) == peak, "the parts are the whole peak"
+    assert roomy.line().startswith("fits on h100")
+    tight = memory_verdict(small_w8, capacity_bytes=peak / 0.95)  # inside the 10% margin
+    assert tight.fits is False
+    assert "only without the 10% safety margin" in tight.line()
+    assert memory_verdict(small_w8, capacity_bytes=peak / 0.95, margin=0.0).fits is True
+    short = memory_verdict(small_w8, capacity_bytes=peak / 2)
+    assert short.fits is False
+    assert short.headroom_bytes == pytest.approx(-peak / 2)
+    assert f"over by {peak / 2 / GIB:,.2f} GiB" in short.line()
+    datasheet = memory_verdict(small_w8)
+    assert datasheet.capacity_bytes == 80e9
+    assert datasheet.fits is True, "a small model fits an H100"
+    unknown = memory_verdict(dataclasses.replace(small_w8, device=cost.profile("cpu-gloo")))
+    assert unknown.fits is None
+    assert "no verdict" in unknown.line()
+
+
+def _compute_s(result) -> float:
+    graphs = (result.report.capture.forward, result.report.capture.backward)
+    return sum(cost.node_seconds(result.device, node) for graph in graphs for node in graph.nodes)
+
+
+def test_activation_checkpointing_trades_activations_for_recompute(small_w8):
+    full = dry_run("small-8", world_size=8, device="h100", ac="full")
+    plain, checkpointed = memory_verdict(small_w8), memory_verdict(full)
+    assert checkpointed.parts[ACTIVATIONS] < plain.parts[ACTIVATIONS]
+    assert full.peak_bytes < small_w8.peak_bytes
+    assert _compute_s(full) > _compute_s(small_w8), "the recomputation costs compute (hidden or not)"
+    assert checkpointed.parts[PARAMETERS] == plain.parts[PARAMETERS]
+    assert checkpointed.parts[OPTIMIZER] == plain.parts[OPTIMIZER]
+
+
+def test_tensor_parallel_dry_run_splits_the_world(small_w8):
+    tp = dry_run("small-8", world_size=8, device="h100", tp=2)
+    graphs = (tp.report.capture.forward, tp.report.capture.backward)
+    kinds = ("all_gather", "reduce_scatter")  # an all-reduce reads its size from the (gone) process group
+    sizes = {c.group_size for graph in graphs for c in find_collectives(graph, kinds=kinds)}
+    assert sizes == {4, 2}, "FSDP over the 4 data-parallel ranks, TP over pairs"
+    # both shard every block matmul 8 ways; TP keeps the norms whole on its 2 ranks, so a little more
+    assert tp.persistent.params_bytes == pytest.approx(small_w8.persistent.params_bytes, rel=0.05)
+    assert (tp.tp, small_w8.tp) == (2, 1)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"tp": 3}, r"tp must be a positive integer dividing the world size 8, got 3"),
+        ({"tp": 2, "strategy": "HYBRID_SHARD", "shard_size": 2}, r"with FULL_SHARD / SHARD_GRAD_OP, not HYBRID_SHARD"),
+        ({"ac": "some"}, r"unknown activation checkpointing 'some'; known: none, full, selective"),
+    ],
+)
+def test_bad_planner_input_is_named(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        dry_run("tiny", world_size=8, device="h100", **kwargs)
+
+
+def test_bad_capacity_or_margin_is_named(small_w8):
+    with pytest.raises(ValueError, match=r"margin must be in \[0, 1\), got 1.0"):
+        memory_verdict(small_w8, margin=1.0)
+    with pytest.raises(ValueError, match=r"capacity must be > 0 bytes, got 0"):
+        memory_verdict(small_w8, capacity_bytes=0)
+
+
+def test_cli_prints_the_verdict_and_refuses_impossible_memory(capsys):
+    assert cli.main(["tiny", "--world", "8", "--device-memory-gib", "0.0001", "--rows", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "does not fit on h100" in out
+    assert "activations" in out
+    assert cli.main(["tiny", "--world", "8", "--device-memory-gib", "-1"]) == 2
+    assert "--device-memory-gib must be > 0, got -1.0" in capsys.readouterr().out
+    assert cli.main(["tiny", "--world", "6", "--tp", "4"]) == 2
+    assert "tp must be a positive integer dividing the world size 6, got 4" in capsys.readouterr().out
