@@ -1,5 +1,5 @@
 """Pieces the distributed benchmarks share: the model flags, torch's own bucketing options, counting
-collectives, interleaved timing and spawning the ranks.
+collectives, interleaved timing, a step's peak memory and spawning the ranks.
 
 Scripts in bench/ import it as `_harness` (they run as `python bench/<script>.py`, which puts
 bench/ first on the path; the spawned ranks inherit it).
@@ -8,12 +8,15 @@ bench/ first on the path; the spawned ranks inherit it).
 from __future__ import annotations
 
 import argparse
+import ctypes
+import gc
 import os
 import re
 import statistics
 import tempfile
 import time
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -29,7 +32,10 @@ __all__ = [
     "interleaved_times",
     "model_args",
     "paired_speedup",
+    "release_freed_memory",
     "spawn",
+    "state_bytes",
+    "transient_peak",
 ]
 
 # inductor's own FX bucketing and compute / communication reordering, instead of simplefsdp's passes
@@ -96,6 +102,57 @@ def paired_speedup(baseline: list[float], times: list[float]) -> tuple[float, fl
     ratios = sorted(b / t for b, t in zip(baseline, times, strict=True))
     q1, median, q3 = statistics.quantiles(ratios, n=4, method="inclusive")
     return median, q1, q3
+
+
+_M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
+_HWM = re.compile(r"VmHWM:\s+(\d+) kB")
+_RSS = re.compile(r"VmRSS:\s+(\d+) kB")
+
+
+def _status(pattern: re.Pattern) -> int:
+    return int(pattern.search(Path("/proc/self/status").read_text()).group(1)) * 1024
+
+
+def release_freed_memory(device: torch.device) -> None:
+    """On the CPU, make glibc return blocks of 64 KiB and more to the kernel when freed, so the
+    resident high-water mark `transient_peak` reads counts what a step allocates. Call it after
+    the timing: it changes how fast allocation is."""
+    if device.type == "cpu":
+        ctypes.CDLL("libc.so.6").mallopt(_M_MMAP_THRESHOLD, 64 * 1024)
+
+
+def transient_peak(step: Callable[[], None], device: torch.device) -> int:
+    """Bytes `step` allocates above what was resident before it, at its peak: on CUDA
+    `max_memory_allocated` above `memory_allocated`; on the CPU the kernel's resident high-water mark
+    (VmHWM, reset through /proc/self/clear_refs) above the resident size (after
+    `release_freed_memory` and `malloc_trim`)."""
+    gc.collect()
+    if device.type == "cuda":
+        before = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        step()
+        return torch.cuda.max_memory_allocated() - before
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    before = _status(_RSS)
+    Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
+    step()
+    return _status(_HWM) - before
+
+
+def state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of this rank's parameters (their local shards) and optimizer state."""
+
+    def local(t: torch.Tensor) -> torch.Tensor:
+        return t.to_local() if hasattr(t, "to_local") else t
+
+    params = sum(local(p).numel() * p.element_size() for p in model.parameters())
+    states = sum(
+        local(v).numel() * v.element_size()
+        for state in optimizer.state.values()
+        for v in state.values()
+        if isinstance(v, torch.Tensor)
+    )
+    return params + states
 
 
 def _rank(rank: int, world: int, store: str, backend: str, worker: Callable, args: Any, results: dict) -> None:

@@ -50,12 +50,9 @@ defaults.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import dataclasses
-import gc
 import json
 import os
-import re
 import statistics
 import time
 from collections import Counter
@@ -66,7 +63,16 @@ import _scoreboard_report as report
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from _harness import TORCH_BUILTIN_OPTIONS, add_model_arguments, interleaved_times, model_args, spawn
+from _harness import (
+    TORCH_BUILTIN_OPTIONS,
+    add_model_arguments,
+    interleaved_times,
+    model_args,
+    release_freed_memory,
+    spawn,
+    state_bytes,
+    transient_peak,
+)
 from torch import nn
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
@@ -167,17 +173,8 @@ def build(
 
 
 def _state_bytes(row: str, model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
-    def local(t: torch.Tensor) -> torch.Tensor:
-        return t.to_local() if hasattr(t, "to_local") else t
-
-    params = sum(local(p).numel() * p.element_size() for p in model.parameters())
-    states = sum(
-        local(v).numel() * v.element_size()
-        for state in optimizer.state.values()
-        for v in state.values()
-        if isinstance(v, torch.Tensor)
-    )
-    return params + states + (params if row == "ddp" else 0)  # DDP keeps gradient buckets as large as the params
+    ddp_buckets = sum(p.numel() * p.element_size() for p in model.parameters()) if row == "ddp" else 0
+    return state_bytes(model, optimizer) + ddp_buckets  # DDP keeps gradient buckets as large as the params
 
 
 @dataclasses.dataclass
@@ -220,40 +217,13 @@ def _count_collectives(step: Callable[[], None]) -> int:
     return sum(n for name, n in names.items() if name.startswith(f"{backend}:"))
 
 
-_M_MMAP_THRESHOLD = -3
-_HWM = re.compile(r"VmHWM:\s+(\d+) kB")
-_RSS = re.compile(r"VmRSS:\s+(\d+) kB")
-
-
-def _status(pattern: re.Pattern) -> int:
-    return int(pattern.search(Path("/proc/self/status").read_text()).group(1)) * 1024
-
-
-def _transient_peak(step: Callable[[], None], device: torch.device, libc: ctypes.CDLL | None) -> int:
-    """Bytes a step allocates above what was resident before it; see [Note: peak memory]."""
-    gc.collect()
-    if device.type == "cuda":
-        before = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
-        step()
-        return torch.cuda.max_memory_allocated() - before
-    libc.malloc_trim(0)
-    before = _status(_RSS)
-    Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
-    step()
-    return _status(_HWM) - before
-
-
 def _memory(rows: dict[str, Row], device: torch.device) -> dict[str, int]:
-    libc = None
-    if device.type == "cpu":
-        libc = ctypes.CDLL("libc.so.6")
-        libc.mallopt(_M_MMAP_THRESHOLD, 64 * 1024)
+    release_freed_memory(device)
     peaks = {}
     for name, row in rows.items():
         row.step()  # settle allocations under the new malloc settings
         dist.barrier()
-        peaks[name] = row.state_bytes() + _transient_peak(row.step, device, libc)
+        peaks[name] = row.state_bytes() + transient_peak(row.step, device)
     return peaks
 
 
