@@ -134,15 +134,22 @@ def _flash_sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=N
 
 
 def _rewrite_attention(gm: fx.GraphModule) -> int:
-    """See [Note: attention on the meta device]; returns how many calls were rewritten."""
+    """See [Note: attention on the meta device]; returns how many calls were rewritten. Walks the
+    subgraphs too: an activation-checkpointed block reaches the backend as a higher-order op whose
+    body is a child GraphModule."""
     rewritten = 0
-    for node in gm.graph.find_nodes(op="call_function", target=F.scaled_dot_product_attention):
-        mask = node.args[3] if len(node.args) > 3 else node.kwargs.get("attn_mask")
-        if mask is None:
-            node.target = _flash_sdpa
-            rewritten += 1
-    if rewritten:
-        gm.recompile()
+    for module in gm.modules():
+        if not isinstance(module, fx.GraphModule):
+            continue
+        here = 0
+        for node in module.graph.find_nodes(op="call_function", target=F.scaled_dot_product_attention):
+            mask = node.args[3] if len(node.args) > 3 else node.kwargs.get("attn_mask")
+            if mask is None:
+                node.target = _flash_sdpa
+                here += 1
+        if here:
+            module.recompile()
+        rewritten += here
     return rewritten
 
 

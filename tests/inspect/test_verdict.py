@@ -67,6 +67,16 @@ def test_activation_checkpointing_trades_activations_for_recompute(small_w8):
     assert checkpointed.parts[OPTIMIZER] == plain.parts[OPTIMIZER]
 
 
+@pytest.mark.parametrize("ac", ["full", "selective"])
+def test_checkpointed_blocks_trace_the_flash_kernel_on_meta(ac):
+    """On meta, attention is rewritten to the flash kernel also inside checkpointed blocks (whose
+    body reaches the backend as a subgraph): a math-path softmax would be [B, H, S, S] per block."""
+    result = dry_run("small-8", world_size=8, device="h100", ac=ac)
+    targets = [str(node.target) for node in result.report.capture.forward.nodes if node.op == "call_function"]
+    assert sum("_scaled_dot_product_flash_attention" in t for t in targets) == 8, "one per block"
+    assert not [t for t in targets if "softmax" in t], "no math-path attention"
+
+
 def test_tensor_parallel_dry_run_splits_the_world(small_w8):
     tp = dry_run("small-8", world_size=8, device="h100", tp=2)
     graphs = (tp.report.capture.forward, tp.report.capture.backward)
