@@ -69,7 +69,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--seq", type=int, default=None, help="sequence length (shapes only)")
     parser.add_argument("--optimizer", choices=["adamw", "sgd", "none"], default="adamw")
-    parser.add_argument("--max-traced-blocks", type=int, default=8, help="deeper shapes: trace 3 and 4, extrapolate")
+    parser.add_argument("--max-traced-blocks", type=int, default=8, help="deeper shapes: trace 4 and 5, extrapolate")
     parser.add_argument(
         "--device-memory-gib", type=float, default=None, help="memory per device (default: the profile's capacity)"
     )
@@ -169,6 +169,9 @@ def _tables(result: DryRunResult, rows: int) -> list[Table]:
         "numbers below the tables are extrapolated per block, tables show the last trace",
     )
     summary.add_row("step time", f"{result.step_s * 1e3:,.3f} ms")
+    if result.tokens_per_s is not None:
+        per_device = result.tokens_per_s / result.world_size
+        summary.add_row("tokens / s", f"{result.tokens_per_s:,.0f} ({per_device:,.0f} per device)")
     summary.add_row("exposed communication", f"{result.exposed_pct:.1f}% ({result.exposed_s * 1e3:,.3f} ms)")
     summary.add_row("peak memory / rank", _mib(result.peak_bytes))
 

@@ -12,14 +12,20 @@ bucket plan uses -- on the two-stream schedule of `schedule.py` and the liveness
 [Note: tracing a few blocks and extrapolating]
 Tracing cost grows with the number of blocks, not their size (fake tensors), but a 126-block
 model still takes minutes. A named shape with more than `max_traced_blocks` blocks is traced
-twice, with k and k + 1 blocks (k = 3: the first and last blocks, whose collectives neighbour
-the non-block parameters, and one in steady state), and every per-step quantity -- step time,
+twice, with k and k + 1 blocks (k = 4: the first and last blocks, whose collectives neighbour
+the non-block parameters, and two in steady state -- with k = 3 the backward of an
+activation-checkpointed Llama-3-70B shape was not yet steady: its peak's communication buffers
+grew by 1.6 GiB from 3 to 4 blocks and not at all from 4 to 5; scaled by 76 blocks, that jump
+predicted a 226 GiB peak instead of 46), and every per-step quantity -- step time,
 exposed communication, transient memory -- is extrapolated linearly to the full depth:
-`v(L) = v(k + 1) + (L - k - 1) * (v(k + 1) - v(k))`. This is exact when each added block adds
-the same work, which holds for a stack of identical blocks with prefetch depth 1: tested against
-a full trace of 8 blocks, step time and exposed time agree to 1e-6; the memory peak, a maximum
-over time rather than a sum, to 0.6%. Persistent memory (parameters, gradients, optimizer state) is computed from the
-full-depth model, not extrapolated. Results say which blocks were traced (`traced_blocks`).
+`v(L) = v(k + 1) + (L - k - 1) * (v(k + 1) - v(k))`; the transient memory per graph (forward,
+backward), then the larger of the two at full depth -- which graph peaks can change with depth
+(with activation checkpointing the two are close), and a jump between them must not be scaled
+by the depth. This is exact when each added block adds the same work, which holds for a stack of
+identical blocks with prefetch depth 1: tested against a full trace of 8 blocks, step time and
+exposed time agree to 1e-6; the memory peak, a maximum over time rather than a sum, to 0.6%.
+Persistent memory (parameters, gradients, optimizer state) is computed from the full-depth model,
+not extrapolated. Results say which blocks were traced (`traced_blocks`).
 
 Tensor parallelism (`tp > 1`, named shapes only): the world becomes a `(world / tp, tp)` mesh
 named ("dp", "tp"); the model is parallelized on "tp" with `simplefsdp.models.tensor_parallel_plan`
@@ -46,7 +52,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 import simplefsdp
 from simplefsdp._compat import init_fake_process_group
-from simplefsdp.inspect.memory import Persistent, check_optimizer, persistent_bytes
+from simplefsdp.inspect.memory import GraphPeak, Persistent, check_optimizer, persistent_bytes
 from simplefsdp.inspect.report import Report, inspect_model, resolve_profile
 from simplefsdp.inspect.shapes import ModelShape, model_shape
 from simplefsdp.passes import cost
@@ -57,7 +63,7 @@ __all__ = ["AC_POLICIES", "DryRunResult", "dry_run", "fake_world", "make_mesh"]
 logger = logging.getLogger(__name__)
 
 MAX_WORLD_SIZE = 1 << 17
-_TRACED = 3  # see [Note: tracing a few blocks and extrapolating]
+_TRACED = 4  # see [Note: tracing a few blocks and extrapolating]
 
 
 @contextlib.contextmanager
@@ -119,6 +125,10 @@ def _prepare(module: nn.Module, *, ac: str, tp_mesh: DeviceMesh | None) -> None:
         simplefsdp.checkpoint_blocks(module, policy=ac)
 
 
+def _phase(report: Report, phase: str) -> GraphPeak:
+    return report.memory.forward if phase == "forward" else report.memory.backward
+
+
 def _peak_parts(report: Report) -> dict[str, int]:
     """Transient bytes by kind at the peak of the graph (forward or backward) whose peak is larger."""
     memory = report.memory
@@ -142,6 +152,14 @@ class DryRunResult:
     trace_s: float
     tp: int = 1
     ac: str = "none"
+    tokens: int | None = None  # tokens per data-parallel rank per step (named shapes; None: unknown)
+
+    @property
+    def tokens_per_s(self) -> float | None:
+        """Tokens per second over the whole world (every data-parallel rank's batch)."""
+        if self.tokens is None or not self.step_s:
+            return None
+        return self.tokens * (self.world_size // self.tp) / self.step_s
 
     @property
     def exposed_pct(self) -> float:
@@ -240,9 +258,11 @@ def dry_run(
 
             step_s = extrapolate(lambda r: r.schedule.step_s)
             exposed_s = extrapolate(lambda r: r.schedule.exposed_s)
-            transient = int(extrapolate(lambda r: r.memory.transient_bytes))
-            kinds = set(_peak_parts(small)) | set(_peak_parts(report))
-            parts = {k: int(extrapolate(lambda r, k=k: _peak_parts(r).get(k, 0))) for k in kinds}
+            # each graph's peak on its own, then the larger: which graph peaks can change with depth
+            phase = max(("forward", "backward"), key=lambda g: extrapolate(lambda r: _phase(r, g).peak_bytes))
+            transient = int(extrapolate(lambda r: _phase(r, phase).peak_bytes))
+            kinds = set(_phase(small, phase).at_peak) | set(_phase(report, phase).at_peak)
+            parts = {k: int(extrapolate(lambda r, k=k: _phase(r, phase).at_peak.get(k, 0))) for k in kinds}
             full = shape.build()  # meta: costs nothing; wrapped only to shard it as the traced ones were
             _prepare(full, ac="none", tp_mesh=tp_mesh)
             simplefsdp.wrap(full, mesh, strategy=strategy, mp_policy=mp_policy, passes=None)
@@ -262,6 +282,7 @@ def dry_run(
         trace_s=time.perf_counter() - started,
         tp=tp,
         ac=ac,
+        tokens=shape.example_input(batch=batch, seq=seq).numel() if isinstance(shape, ModelShape) else None,
     )
     logger.info("dry run: %s (%.1f s)", result.describe(), result.trace_s)
     return result

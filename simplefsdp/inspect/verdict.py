@@ -14,7 +14,9 @@ The parts are the peak's composition, per rank: the persistent state (sharded pa
 optimizer state), then the transient peak split by the liveness walk into gradients reduced so
 far, gathered parameters and communication buffers in flight (the bucket copy buffers, the
 gathered buckets, the communication library's staging where the profile measured it), and
-activations (saved for backward and intermediate). The hint names the largest lever.
+activations (saved for backward and intermediate). The hint names the largest lever. With tensor
+parallelism the walk cannot tell a sequence-parallel all-gather of activations from FSDP's gather
+of weights: both count as gathered / communication buffers.
 """
 
 from __future__ import annotations

@@ -13,6 +13,7 @@ from simplefsdp.inspect.verdict import OPTIMIZER, PARAMETERS, memory_verdict
 from simplefsdp.passes import cost
 from simplefsdp.passes.collectives import find_collectives
 from simplefsdp.passes.liveness import ACTIVATIONS
+from tests._tiers import fast_first
 
 GIB = 2**30
 
@@ -67,7 +68,7 @@ def test_activation_checkpointing_trades_activations_for_recompute(small_w8):
     assert checkpointed.parts[OPTIMIZER] == plain.parts[OPTIMIZER]
 
 
-@pytest.mark.parametrize("ac", ["full", "selective"])
+@pytest.mark.parametrize("ac", fast_first(["selective", "full"]))
 def test_checkpointed_blocks_trace_the_flash_kernel_on_meta(ac):
     """On meta, attention is rewritten to the flash kernel also inside checkpointed blocks (whose
     body reaches the backend as a subgraph): a math-path softmax would be [B, H, S, S] per block."""
@@ -86,6 +87,9 @@ def test_tensor_parallel_dry_run_splits_the_world(small_w8):
     # both shard every block matmul 8 ways; TP keeps the norms whole on its 2 ranks, so a little more
     assert tp.persistent.params_bytes == pytest.approx(small_w8.persistent.params_bytes, rel=0.05)
     assert (tp.tp, small_w8.tp) == (2, 1)
+    # tokens: batch 2 x 64 per data-parallel rank; the tp ranks of one dp rank share theirs
+    assert tp.tokens_per_s == pytest.approx(2 * 64 * 4 / tp.step_s)
+    assert small_w8.tokens_per_s == pytest.approx(2 * 64 * 8 / small_w8.step_s)
 
 
 @pytest.mark.parametrize(
