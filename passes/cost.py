@@ -39,8 +39,8 @@ rank plans; they do not predict wall time to the microsecond.
   only a calibrated profile measures those (see [Note: what a training step adds]).
 
 [Note: what a training step adds]
-Two costs a step pays that a collective timed back to back, or a roofline, does not show. Both are
-measured by `simplefsdp calibrate`; the named profiles leave them at zero / memory bound.
+What a training step pays that a collective timed back to back, or a roofline, does not show. All
+three are measured by `simplefsdp calibrate`; the named profiles leave them at zero / memory bound.
 - Wake-up and drift: a collective launched after its process group sat idle while compute ran
   costs more than one launched right after another (on a 2-core host over gloo: 0.5 ms back to
   back, 1.5 ms after 0.7 ms of matmuls, 2.5 ms after 6 ms -- measured): a quick rise (the

@@ -13,9 +13,9 @@ returns the same `Measurements` and the fitted profile does not depend on which 
   they are in flight) -> how much of the communication time really ran in parallel with compute
   (see `fit.overlap_share`);
 - wake-up: a small all-gather (the functional op and its wait, as compiled graphs issue it) issued
-  after a stretch of matmuls, for stretches from about 0.5 to
-  8 ms, against the same all-gather back to back -> the extra each costs after its group sat idle
-  (`fit.fit_wake`; [Note: what a training step adds] in `passes/cost.py`);
+  after a stretch of matmuls, for stretches from about 0.25 to 8 ms, against the same all-gather
+  back to back -> the extra each costs after its group sat idle (`fit.fit_wake`; [Note: what a
+  training step adds] in `passes/cost.py`);
 - staging: the memory one all-gather / reduce-scatter / all-reduce of a 64 MiB buffer takes beyond
   its own input and output (on a GPU the caching allocator's peak; on the CPU the kernel's resident
   high-water mark: above glibc's largest dynamic mmap threshold, 32 MiB, a staging buffer is
