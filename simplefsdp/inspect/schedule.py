@@ -6,9 +6,9 @@ per process group. `simulate` replays a post-pass graph in node order with
 `passes/cost.py` (the same model the `auto` bucket plan uses):
 - a compute node advances the compute clock by its roofline seconds;
 - a collective launch starts when both the compute clock has reached it and its group's stream
-  is free, and lasts its alpha-beta seconds, plus the profile's wake-up latency for the time the
-  stream sat idle before it (the first collective of a graph: as long as it takes to saturate; see
-  [Note: what a training step adds] in `passes/cost.py`);
+  is free, and lasts its alpha-beta seconds, plus the profile's wake-up for the time the stream sat
+  idle before it (the first collective of a graph: saturated) and its drift for the compute since
+  the stream's previous collective (see [Note: what a training step adds] in `passes/cost.py`);
 - a wait stalls the compute clock until its collective has finished; that stall is the
   collective's *exposed* time;
 - where communication does not fully run in parallel with compute (a profile's `overlap` below 1:
