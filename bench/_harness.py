@@ -9,20 +9,19 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import gc
 import os
 import re
 import statistics
 import tempfile
 import time
 from collections.abc import Callable, Mapping
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from simplefsdp.calibrate.high_water import high_water_bytes
 from simplefsdp.models import TransformerArgs
 
 __all__ = [
@@ -105,12 +104,6 @@ def paired_speedup(baseline: list[float], times: list[float]) -> tuple[float, fl
 
 
 _M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
-_HWM = re.compile(r"VmHWM:\s+(\d+) kB")
-_RSS = re.compile(r"VmRSS:\s+(\d+) kB")
-
-
-def _status(pattern: re.Pattern) -> int:
-    return int(pattern.search(Path("/proc/self/status").read_text()).group(1)) * 1024
 
 
 def release_freed_memory(device: torch.device) -> None:
@@ -122,21 +115,12 @@ def release_freed_memory(device: torch.device) -> None:
 
 
 def transient_peak(step: Callable[[], None], device: torch.device) -> int:
-    """Bytes `step` allocates above what was resident before it, at its peak: on CUDA
-    `max_memory_allocated` above `memory_allocated`; on the CPU the kernel's resident high-water mark
-    (VmHWM, reset through /proc/self/clear_refs) above the resident size (after
-    `release_freed_memory` and `malloc_trim`)."""
-    gc.collect()
-    if device.type == "cuda":
-        before = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
-        step()
-        return torch.cuda.max_memory_allocated() - before
-    ctypes.CDLL("libc.so.6").malloc_trim(0)
-    before = _status(_RSS)
-    Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
-    step()
-    return _status(_HWM) - before
+    """Bytes `step` allocates above what was resident before it, at its peak
+    (`simplefsdp.calibrate.high_water.high_water_bytes`); on the CPU after `malloc_trim`, so freed
+    memory glibc still held does not hide the step's (call `release_freed_memory` first)."""
+    if device.type == "cpu":
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    return high_water_bytes(step, device)
 
 
 def state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:

@@ -99,8 +99,10 @@ def _staged(
     """Bytes staged by the communication library: ({launch position: bytes}, {wait position: bytes})."""
     taken: dict[int, int] = {}
     given: dict[int, int] = {}
+    if not any(factor > 0 for factor in staging.values()):
+        return taken, given  # the pass's own checks: no walk over the nodes for nothing
     for node in nodes:
-        collective = parse_collective(node) if staging else None
+        collective = parse_collective(node)
         factor = staging.get(collective.kind, 0.0) if collective is not None else 0.0
         if factor <= 0:
             continue

@@ -31,9 +31,7 @@ returns the same `Measurements` and the fitted profile does not depend on which 
 from __future__ import annotations
 
 import dataclasses
-import gc
 import os
-import re
 import statistics
 import time
 from collections.abc import Callable
@@ -43,6 +41,7 @@ import torch
 import torch.distributed as dist
 
 from simplefsdp._compat import all_gather_single, c10d_functional, reduce_scatter_single
+from simplefsdp.calibrate.high_water import high_water_bytes
 
 __all__ = ["Measurements", "measure"]
 
@@ -211,25 +210,6 @@ def _wake(device: torch.device, plan: _Plan) -> list[tuple[float, float]]:
 
 
 _STAGING_BYTES = 64 * MIB  # see the module docstring
-_RSS = re.compile(r"VmRSS:\s+(\d+) kB")
-_HWM = re.compile(r"VmHWM:\s+(\d+) kB")
-
-
-def _high_water(fn: Callable[[], object], device: torch.device) -> int:
-    """Bytes `fn` allocates above what was held before it, at its peak."""
-    gc.collect()
-    _sync(device)
-    if device.type == "cuda":
-        before = torch.cuda.memory_allocated(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        fn()
-        _sync(device)
-        return torch.cuda.max_memory_allocated(device) - before
-    status = Path("/proc/self/status")
-    before = int(_RSS.search(status.read_text()).group(1))
-    Path("/proc/self/clear_refs").write_text("5")  # the high-water mark := the resident size now
-    fn()
-    return (int(_HWM.search(status.read_text()).group(1)) - before) * 1024
 
 
 def _capacity(device: torch.device) -> float | None:
@@ -254,7 +234,7 @@ def _staging(device: torch.device) -> dict[str, float]:
         run = _collective(kind, _STAGING_BYTES, device)
         run()  # connections and first-use allocations
         dist.barrier()
-        result[kind] = max(0, _high_water(run, device)) / _STAGING_BYTES
+        result[kind] = max(0, high_water_bytes(run, device)) / _STAGING_BYTES
         del run
     return result
 

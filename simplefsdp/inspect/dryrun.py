@@ -131,9 +131,7 @@ def _phase(report: Report, phase: str) -> GraphPeak:
 
 def _peak_parts(report: Report) -> dict[str, int]:
     """Transient bytes by kind at the peak of the graph (forward or backward) whose peak is larger."""
-    memory = report.memory
-    peak = memory.backward if memory.backward.peak_bytes >= memory.forward.peak_bytes else memory.forward
-    return dict(peak.at_peak)
+    return dict(max(_phase(report, "backward"), _phase(report, "forward"), key=lambda g: g.peak_bytes).at_peak)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
