@@ -22,6 +22,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from simplefsdp.calibrate.high_water import high_water_bytes
+from simplefsdp.inspect.live_bytes import state_bytes
 from simplefsdp.models import TransformerArgs
 
 __all__ = [
@@ -121,22 +122,6 @@ def transient_peak(step: Callable[[], None], device: torch.device) -> int:
     if device.type == "cpu":
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     return high_water_bytes(step, device)
-
-
-def state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
-    """Bytes of this rank's parameters (their local shards) and optimizer state."""
-
-    def local(t: torch.Tensor) -> torch.Tensor:
-        return t.to_local() if hasattr(t, "to_local") else t
-
-    params = sum(local(p).numel() * p.element_size() for p in model.parameters())
-    states = sum(
-        local(v).numel() * v.element_size()
-        for state in optimizer.state.values()
-        for v in state.values()
-        if isinstance(v, torch.Tensor)
-    )
-    return params + states
 
 
 def _rank(rank: int, world: int, store: str, backend: str, worker: Callable, args: Any, results: dict) -> None:

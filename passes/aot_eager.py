@@ -13,7 +13,13 @@ from __future__ import annotations
 from functorch.compile import make_boxed_func
 from torch import fx
 
-from simplefsdp._compat import aot_autograd, inductor_config, min_cut_rematerialization_partition, register_backend
+from simplefsdp._compat import (
+    BoxedCodeGen,
+    aot_autograd,
+    inductor_config,
+    min_cut_rematerialization_partition,
+    register_backend,
+)
 from simplefsdp.passes.install import ChainedPass, configured_passes
 
 __all__ = ["BACKEND_NAME", "backend"]
@@ -23,11 +29,26 @@ BACKEND_NAME = "simplefsdp_aot_eager"
 
 def _run_post_grad_pass(gm: fx.GraphModule, example_inputs):
     """The graph after the configured passes, as a callable taking its inputs boxed (in one list
-    that it may free as it goes), the calling convention AOTAutograd expects."""
+    that it frees as it goes), the calling convention AOTAutograd expects.
+
+    [Note: inputs freed at their last use]
+    The generated code takes the list and clears it, and FX's code drops each value after its last
+    use, so a backward frees each saved activation as soon as it is consumed -- as inductor's code
+    does, so a step's memory here is comparable to inductor's (with plain `make_boxed_func`, the
+    caller's list would keep every input alive until the graph returns)."""
     ChainedPass(configured_passes(inductor_config.post_grad_custom_post_pass))(gm.graph)
     gm.graph.lint()
+    if BoxedCodeGen is None:
+        gm.recompile()
+        return make_boxed_func(gm)
+    gm.graph.set_codegen(BoxedCodeGen())
     gm.recompile()
-    return make_boxed_func(gm)
+
+    def boxed(args: list) -> object:
+        return gm(args)
+
+    boxed._boxed_call = True
+    return boxed
 
 
 def backend(gm: fx.GraphModule, example_inputs):

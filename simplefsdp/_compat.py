@@ -113,6 +113,10 @@ from torch.distributed.distributed_c10d import _resolve_process_group as resolve
 # checked on 2.13.
 from torch.distributed.tensor.placement_types import _StridedShard as StridedShard
 
+# A mode that sees every ATen op dispatched while it is active: the CPU measurement of live tensor
+# bytes (`inspect/live_bytes.py`). torch.utils._python_dispatch.TorchDispatchMode: checked on 2.13.
+from torch.utils._python_dispatch import TorchDispatchMode
+
 # torch.utils._pytree: tree_map over (args, kwargs) for the mixed-precision input cast, leaves of FX args.
 # Stable since 2.0; checked on 2.13.
 from torch.utils._pytree import tree_leaves, tree_map_only
@@ -121,6 +125,12 @@ from torch.utils._pytree import tree_leaves, tree_map_only
 # cost model and the schedule view count compute with. torch.utils.flop_counter.flop_registry
 # (undocumented): checked on 2.13.
 from torch.utils.flop_counter import flop_registry
+
+# FX code generation in the boxed calling convention: the generated function takes its inputs in
+# one list and clears it, so each input can be freed at its last use (what inductor's code does).
+# The `simplefsdp_aot_eager` backend's graphs use it. torch.fx.graph._BoxedCodeGen: checked on
+# 2.13; added after the 2.11 review -- fallback where absent: None (inputs live until the graph returns).
+BoxedCodeGen = getattr(torch.fx.graph, "_BoxedCodeGen", None)
 
 # The functional collectives of traced graphs: `torch.ops._c10d_functional.<op>` (all_gather_into_tensor,
 # all_gather_into_tensor_out, reduce_scatter_tensor, all_reduce, wait_tensor). Schemas checked on 2.13:
@@ -294,12 +304,14 @@ def use_rank_aware_cache_keys(mesh) -> None:
 
 __all__ = [
     "DCP_METADATA_GLOBALS",
+    "BoxedCodeGen",
     "CustomGraphPass",
     "CustomInferenceAwareGraphPass",
     "FakeTensorMode",
     "OpOverload",
     "OpOverloadPacket",
     "StridedShard",
+    "TorchDispatchMode",
     "all_gather_single",
     "aot_autograd",
     "c10d_functional",

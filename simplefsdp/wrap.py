@@ -30,7 +30,7 @@ from simplefsdp.strategy import ShardingStrategy
 from simplefsdp.tensor_parallel import TensorParallelLayout, check_tensor_parallel, shard_tensor_parallel
 from simplefsdp.tied import install_scope
 
-__all__ = ["is_wrapped_root", "wrap"]
+__all__ = ["is_wrapped_root", "make_pass", "wrap"]
 
 logger = logging.getLogger(__name__)
 
@@ -291,7 +291,7 @@ def _install_on_root(model: nn.Module, settings: _Settings, *, passes: PassConfi
     if has_tied:
         install_scope(model)
     attach(model, settings.accumulation)
-    attach_pass(model, _make_pass(model, passes, settings.mesh))
+    attach_pass(model, make_pass(model, passes, settings.mesh))
     # A torch bug (compile caches keyed without the rank's local shard: ranks sharing a cache
     # directory could load each other's graphs) is worked around for the DTensors of these
     # parameters' meshes only; see [Note: per-rank AOTAutograd cache keys for DTensor inputs] in
@@ -301,7 +301,7 @@ def _install_on_root(model: nn.Module, settings: _Settings, *, passes: PassConfi
     setattr(model, _ROOT_ATTR, True)
 
 
-def _make_pass(model: nn.Module, passes: PassConfig | None, mesh: DeviceMesh) -> FsdpPass | None:
+def make_pass(model: nn.Module, passes: PassConfig | None, mesh: DeviceMesh) -> FsdpPass | None:
     """The model's pass, acting on the collectives of `mesh`'s groups only; the default block plan
     gets its blocks from the model's structure."""
     if passes is None:

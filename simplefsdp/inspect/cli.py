@@ -5,6 +5,7 @@
     simplefsdp inspect mypkg.models:build --world 64                   # a factory -> (model, input)
     simplefsdp inspect llama3-405b --world 1024 --max-in-flight-gib 16  # let 6.4 GB blocks prefetch
     simplefsdp inspect llama3-70b --world 64 --tp 8 --ac full --device h100  # does it fit, and how fast?
+    simplefsdp inspect llama3-70b --world 64 --device h100 --advise --tp 1,8  # what should I run?
 
 The output is this command's product, so it prints (rich tables); the library logs.
 """
@@ -23,6 +24,7 @@ from rich.table import Table
 import simplefsdp
 from simplefsdp.inspect.buckets import module_summary
 from simplefsdp.inspect.dryrun import AC_POLICIES, DryRunResult, dry_run
+from simplefsdp.inspect.report import builtin_profile_note
 from simplefsdp.inspect.shapes import SHAPES, ModelShape, model_shape
 from simplefsdp.inspect.verdict import MemoryVerdict, memory_verdict
 from simplefsdp.passes import cost
@@ -41,8 +43,23 @@ def _mib(nbytes: float) -> str:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", help=f"a shape ({', '.join(SHAPES)}) or 'module:function' -> (model, example input)")
     parser.add_argument("--world", type=int, default=8, help="ranks in all, data x tensor parallel (fake group)")
-    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (named shapes); must divide --world")
-    parser.add_argument("--ac", choices=AC_POLICIES, default="none", help="activation checkpointing of every block")
+    parser.add_argument(
+        "--tp",
+        type=_degrees,
+        default=(1,),
+        help="tensor-parallel degree (named shapes), dividing --world; with --advise a list to search, e.g. 1,8",
+    )
+    parser.add_argument(
+        "--ac",
+        choices=AC_POLICIES,
+        default=None,
+        help="activation checkpointing of every block (default none; --advise: searches all unless given)",
+    )
+    parser.add_argument(
+        "--advise",
+        action="store_true",
+        help="search strategy x AC x bucket plan x prefetch (x --tp degrees) and rank what fits by speed",
+    )
     parser.add_argument(
         "--device",
         default="h100",
@@ -79,6 +96,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rows", type=int, default=20, help="rows shown per table (all are in --out's JSON)")
 
 
+def _degrees(text: str) -> tuple[int, ...]:
+    try:
+        degrees = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected an integer or a comma-separated list such as 1,8; got {text!r}"
+        ) from None
+    return degrees
+
+
 def _factory(spec: str) -> Callable[[], tuple[torch.nn.Module, Any]]:
     module_name, _, attr = spec.partition(":")
     try:
@@ -104,6 +131,8 @@ def _model(args: argparse.Namespace) -> str | ModelShape | Callable[[], tuple[to
 
 def run(args: argparse.Namespace) -> DryRunResult:
     """Dry-run per the parsed arguments; returns the result (the CLI prints it)."""
+    if len(args.tp) != 1:
+        raise ValueError(f"--tp takes one degree without --advise, got {','.join(map(str, args.tp))}")
     if args.plan == "none":
         passes = None
     else:
@@ -118,17 +147,15 @@ def run(args: argparse.Namespace) -> DryRunResult:
         device=args.device,
         strategy=args.strategy,
         shard_size=args.shard_size,
-        mp_policy=simplefsdp.MixedPrecisionPolicy(
-            param_dtype=_DTYPES[args.param_dtype], reduce_dtype=_DTYPES[args.reduce_dtype]
-        ),
+        mp_policy=_mp_policy(args),
         passes=passes,
         batch=args.batch,
         seq=args.seq,
         optimizer=args.optimizer,
         max_traced_blocks=args.max_traced_blocks,
         code=args.code,
-        tp=args.tp,
-        ac=args.ac,
+        tp=args.tp[0],
+        ac=args.ac or "none",
     )
 
 
@@ -218,6 +245,26 @@ def _tables(result: DryRunResult, rows: int) -> list[Table]:
     return [summary, buckets, timing, mem]
 
 
+def _mp_policy(args: argparse.Namespace) -> simplefsdp.MixedPrecisionPolicy:
+    return simplefsdp.MixedPrecisionPolicy(
+        param_dtype=_DTYPES[args.param_dtype], reduce_dtype=_DTYPES[args.reduce_dtype]
+    )
+
+
+def _advise(args: argparse.Namespace, console: Console) -> int:
+    from simplefsdp.inspect.advice_view import run_advise, show_advice
+
+    if args.code:
+        raise ValueError("--advise traces on the meta device; --code is for a single dry run")
+    model = _model(args)
+    advice = run_advise(args, model=model, mp_policy=_mp_policy(args))
+    named = isinstance(model, ModelShape)
+    batch = (args.batch or model.batch) if named else None
+    seq = (args.seq or model.seq) if named else None
+    show_advice(advice, args, console, batch=batch, seq=seq)
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="simplefsdp inspect", description=__doc__.split("\n")[0])
     add_arguments(parser)
@@ -228,6 +275,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise ValueError(f"--device-memory-gib must be > 0, got {args.device_memory_gib}")
         if not 0.0 <= args.margin < 1.0:
             raise ValueError(f"--margin must be in [0, 1), got {args.margin}")
+        if args.advise:
+            return _advise(args, console)
         result = run(args)
         verdict = verdict_of(result, args)
     except (ValueError, RuntimeError) as error:
@@ -236,6 +285,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     for table in _tables(result, args.rows):
         console.print(table)
     console.print(_verdict_table(verdict))
+    note = builtin_profile_note(result.device)
+    if note:
+        console.print(f"[yellow]{note}[/yellow]")
     if args.out:
         written = result.report.save(args.out)
         console.print(f"wrote {', '.join(str(p) for p in written.values())}")

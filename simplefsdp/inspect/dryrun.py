@@ -129,9 +129,128 @@ def _phase(report: Report, phase: str) -> GraphPeak:
     return report.memory.forward if phase == "forward" else report.memory.backward
 
 
-def _peak_parts(report: Report) -> dict[str, int]:
-    """Transient bytes by kind at the peak of the graph (forward or backward) whose peak is larger."""
-    return dict(max(_phase(report, "backward"), _phase(report, "forward"), key=lambda g: g.peak_bytes).at_peak)
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Traced:
+    """One configuration's traced step: one report (traced in full, `blocks == (n_layers,)`) or two
+    (`blocks == (k, k + 1)`, extrapolated to `n_layers`), and the full-depth model's persistent memory."""
+
+    reports: tuple[Report, ...]
+    blocks: tuple[int, ...]
+    n_layers: int | None  # blocks of the full model (None for a model given as a factory)
+    persistent: Persistent
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Estimate:
+    """A step's predicted numbers at full depth: see [Note: tracing a few blocks and extrapolating]."""
+
+    step_s: float
+    exposed_s: float
+    transient_bytes: int  # the larger graph's transient peak
+    parts: dict[str, int]  # that peak by kind (liveness.ACTIVATIONS, ...)
+
+
+def _linear(small: float, large: float, large_at: int, target: int) -> float:
+    return large + (target - large_at) * (large - small)
+
+
+def estimate(reports: tuple[Report, ...], *, blocks: tuple[int, ...], n_layers: int | None) -> Estimate:
+    """Step time, exposed time and transient peak of `reports` (one: as traced; two, of `blocks`
+    `(k, k + 1)`: extrapolated to `n_layers` blocks)."""
+    if len(reports) == 1:
+        (report,) = reports
+        phase = max(("backward", "forward"), key=lambda g: _phase(report, g).peak_bytes)
+        return Estimate(
+            step_s=report.schedule.step_s,
+            exposed_s=report.schedule.exposed_s,
+            transient_bytes=report.memory.transient_bytes,
+            parts=dict(_phase(report, phase).at_peak),
+        )
+    small, large = reports
+
+    def extrapolate(value: Callable[[Report], float]) -> float:
+        return _linear(value(small), value(large), blocks[1], n_layers)
+
+    # each graph's peak on its own, then the larger: which graph peaks can change with depth
+    phase = max(("forward", "backward"), key=lambda g: extrapolate(lambda r: _phase(r, g).peak_bytes))
+    kinds = sorted(set(_phase(small, phase).at_peak) | set(_phase(large, phase).at_peak))
+    return Estimate(
+        step_s=extrapolate(lambda r: r.schedule.step_s),
+        exposed_s=extrapolate(lambda r: r.schedule.exposed_s),
+        transient_bytes=int(extrapolate(lambda r: _phase(r, phase).peak_bytes)),
+        parts={k: int(extrapolate(lambda r, k=k: _phase(r, phase).at_peak.get(k, 0))) for k in kinds},
+    )
+
+
+def trace(
+    shape: ModelShape | Callable[[], tuple[nn.Module, Any]],
+    *,
+    mesh: DeviceMesh,
+    tp_mesh: DeviceMesh | None,
+    strategy: ShardingStrategy,
+    ac: str,
+    mp_policy: simplefsdp.MixedPrecisionPolicy,
+    passes: simplefsdp.PassConfig | None,
+    profile: cost.DeviceProfile,
+    batch: int | None = None,
+    seq: int | None = None,
+    optimizer: str = "adamw",
+    max_traced_blocks: int = 8,
+    code: bool = False,
+) -> Traced:
+    """Trace one configuration on `mesh` (inside `fake_world`): in full, or at k and k + 1 blocks
+    when a named shape is deeper than `max_traced_blocks`."""
+
+    def one(n_layers: int | None) -> Report:
+        torch.compiler.reset()  # a fresh Dynamo cache: each trace is a new model of the same class
+        if isinstance(shape, ModelShape):
+            module, example = shape.build(n_layers=n_layers), shape.example_input(batch=batch, seq=seq)
+        else:
+            module, example = shape()
+        _prepare(module, ac=ac, tp_mesh=tp_mesh)
+        simplefsdp.wrap(module, mesh, strategy=strategy, mp_policy=mp_policy, passes=passes)
+        return inspect_model(module, example, device=profile, optimizer=optimizer, code=code)
+
+    full_layers = shape.n_layers if isinstance(shape, ModelShape) else None
+    if full_layers is None or full_layers <= max_traced_blocks:
+        report = one(full_layers)
+        persistent = persistent_bytes(report.capture.model, optimizer=optimizer)
+        return Traced(reports=(report,), blocks=(full_layers or 0,), n_layers=full_layers, persistent=persistent)
+    reports = (one(_TRACED), one(_TRACED + 1))
+    return Traced(
+        reports=reports,
+        blocks=(_TRACED, _TRACED + 1),
+        n_layers=full_layers,
+        persistent=full_depth_persistent(
+            shape, mesh=mesh, tp_mesh=tp_mesh, strategy=strategy, mp_policy=mp_policy, optimizer=optimizer
+        ),
+    )
+
+
+def full_depth_persistent(
+    shape: ModelShape,
+    *,
+    mesh: DeviceMesh,
+    tp_mesh: DeviceMesh | None,
+    strategy: ShardingStrategy,
+    mp_policy: simplefsdp.MixedPrecisionPolicy,
+    optimizer: str,
+) -> Persistent:
+    """Per-rank persistent memory of the full-depth `shape`, sharded as a trace shards it (on meta: free)."""
+    full = shape.build()
+    _prepare(full, ac="none", tp_mesh=tp_mesh)
+    simplefsdp.wrap(full, mesh, strategy=strategy, mp_policy=mp_policy, passes=None)
+    return persistent_bytes(full, optimizer=optimizer)
+
+
+def meshes(
+    *, strategy: ShardingStrategy, world_size: int, shard_size: int | None, tp: int
+) -> tuple[DeviceMesh, DeviceMesh | None]:
+    """(the data-parallel mesh, the tensor-parallel mesh or None) of a configuration, inside `fake_world`."""
+    if tp == 1:
+        return make_mesh(strategy=strategy, world_size=world_size, shard_size=shard_size), None
+    world_mesh = _tp_mesh(strategy=strategy, world_size=world_size, tp=tp)
+    return world_mesh["dp"], world_mesh["tp"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -180,8 +299,38 @@ class DryRunResult:
         )
 
 
-def _linear(small: float, large: float, large_at: int, target: int) -> float:
-    return large + (target - large_at) * (large - small)
+def result_of(
+    traced: Traced,
+    reports: tuple[Report, ...],
+    *,
+    model: str,
+    world_size: int,
+    device: cost.DeviceProfile,
+    trace_s: float,
+    tp: int,
+    ac: str,
+    tokens: int | None,
+) -> DryRunResult:
+    """The result of a step traced as `traced` and analysed as `reports` (its own, or re-costed ones)."""
+    numbers = estimate(reports, blocks=traced.blocks, n_layers=traced.n_layers)
+    persistent = traced.persistent
+    return DryRunResult(
+        model=model,
+        world_size=world_size,
+        device=device,
+        n_layers=traced.n_layers,
+        traced_blocks=traced.blocks,
+        step_s=numbers.step_s,
+        exposed_s=numbers.exposed_s,
+        peak_bytes=persistent.params_bytes + persistent.optimizer_bytes + numbers.transient_bytes,
+        persistent=persistent,
+        transient_parts=numbers.parts,
+        report=reports[-1],
+        trace_s=trace_s,
+        tp=tp,
+        ac=ac,
+        tokens=tokens,
+    )
 
 
 def dry_run(
@@ -223,60 +372,28 @@ def dry_run(
     started = time.perf_counter()
     strategy = ShardingStrategy.parse(strategy)
     with fake_world(world_size):
-        tp_mesh = None
-        if tp == 1:
-            mesh = make_mesh(strategy=strategy, world_size=world_size, shard_size=shard_size)
-        else:
-            world_mesh = _tp_mesh(strategy=strategy, world_size=world_size, tp=tp)
-            mesh, tp_mesh = world_mesh["dp"], world_mesh["tp"]
-
-        def trace(n_layers: int | None) -> Report:
-            torch.compiler.reset()  # a fresh Dynamo cache: each trace is a new model of the same class
-            if isinstance(shape, ModelShape):
-                module, example = shape.build(n_layers=n_layers), shape.example_input(batch=batch, seq=seq)
-            else:
-                module, example = shape()
-            _prepare(module, ac=ac, tp_mesh=tp_mesh)
-            simplefsdp.wrap(module, mesh, strategy=strategy, mp_policy=mp_policy, passes=passes)
-            return inspect_model(module, example, device=profile, optimizer=optimizer, code=code)
-
-        full_layers = shape.n_layers if isinstance(shape, ModelShape) else None
-        if full_layers is None or full_layers <= max_traced_blocks:
-            report = trace(full_layers)
-            traced, step_s, exposed_s = (full_layers or 0,), report.schedule.step_s, report.schedule.exposed_s
-            transient = report.memory.transient_bytes
-            parts = _peak_parts(report)
-            persistent = persistent_bytes(report.capture.model, optimizer=optimizer)
-        else:
-            small, report = trace(_TRACED), trace(_TRACED + 1)
-            traced = (_TRACED, _TRACED + 1)
-
-            def extrapolate(value: Callable[[Report], float]) -> float:
-                return _linear(value(small), value(report), _TRACED + 1, full_layers)
-
-            step_s = extrapolate(lambda r: r.schedule.step_s)
-            exposed_s = extrapolate(lambda r: r.schedule.exposed_s)
-            # each graph's peak on its own, then the larger: which graph peaks can change with depth
-            phase = max(("forward", "backward"), key=lambda g: extrapolate(lambda r: _phase(r, g).peak_bytes))
-            transient = int(extrapolate(lambda r: _phase(r, phase).peak_bytes))
-            kinds = set(_phase(small, phase).at_peak) | set(_phase(report, phase).at_peak)
-            parts = {k: int(extrapolate(lambda r, k=k: _phase(r, phase).at_peak.get(k, 0))) for k in kinds}
-            full = shape.build()  # meta: costs nothing; wrapped only to shard it as the traced ones were
-            _prepare(full, ac="none", tp_mesh=tp_mesh)
-            simplefsdp.wrap(full, mesh, strategy=strategy, mp_policy=mp_policy, passes=None)
-            persistent = persistent_bytes(full, optimizer=optimizer)
-    result = DryRunResult(
+        mesh, tp_mesh = meshes(strategy=strategy, world_size=world_size, shard_size=shard_size, tp=tp)
+        traced = trace(
+            shape,
+            mesh=mesh,
+            tp_mesh=tp_mesh,
+            strategy=strategy,
+            ac=ac,
+            mp_policy=mp_policy,
+            passes=passes,
+            profile=profile,
+            batch=batch,
+            seq=seq,
+            optimizer=optimizer,
+            max_traced_blocks=max_traced_blocks,
+            code=code,
+        )
+    result = result_of(
+        traced,
+        traced.reports,
         model=name,
         world_size=world_size,
         device=profile,
-        n_layers=full_layers,
-        traced_blocks=traced,
-        step_s=step_s,
-        exposed_s=exposed_s,
-        peak_bytes=persistent.params_bytes + persistent.optimizer_bytes + transient,
-        persistent=persistent,
-        transient_parts=parts,
-        report=report,
         trace_s=time.perf_counter() - started,
         tp=tp,
         ac=ac,

@@ -18,12 +18,22 @@ from simplefsdp.inspect.schedule import StepSchedule, simulate_step
 from simplefsdp.inspect.timeline import save_html, save_png
 from simplefsdp.passes import cost
 
-__all__ = ["Report", "inspect_model", "resolve_profile"]
+__all__ = ["Report", "analyse", "builtin_profile_note", "inspect_model", "resolve_profile"]
 
 
 def resolve_profile(device: str | cost.DeviceProfile) -> cost.DeviceProfile:
     """A profile object as is, the named one of `cost.PROFILES`, or the one in a profile file."""
     return device if isinstance(device, cost.DeviceProfile) else cost.profile(device)
+
+
+def builtin_profile_note(profile: cost.DeviceProfile) -> str | None:
+    """A warning when `profile` is one of the built-in ones (datasheet numbers, not a measurement)."""
+    if profile != cost.PROFILES.get(profile.name):
+        return None
+    return (
+        f"predictions use the built-in {profile.name!r} profile (datasheet numbers, not measured on your "
+        "machines); `simplefsdp calibrate` on the target measures one"
+    )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -77,6 +87,18 @@ class Report:
         return written
 
 
+def analyse(capture: StepCapture, *, device: cost.DeviceProfile, optimizer: str = "adamw") -> Report:
+    """The bucket table, schedule and memory of a captured step (its post-pass graphs) on `device`."""
+    return Report(
+        capture=capture,
+        buckets=bucket_table(capture),
+        schedule=simulate_step(
+            capture.forward, capture.backward, device=device, model=capture.model, optimizer=optimizer
+        ),
+        memory=estimate_memory(capture, optimizer=optimizer, staging=dict(device.staging)),
+    )
+
+
 def inspect_model(
     model: torch.nn.Module,
     example_input: Any,
@@ -92,11 +114,4 @@ def inspect_model(
     Runs under whatever process group the model was wrapped on (the fake one for a dry run)."""
     profile = resolve_profile(device)
     captured = capture_step(model, example_input, loss_fn=loss_fn, code=code)
-    return Report(
-        capture=captured,
-        buckets=bucket_table(captured),
-        schedule=simulate_step(
-            captured.forward, captured.backward, device=profile, model=captured.model, optimizer=optimizer
-        ),
-        memory=estimate_memory(captured, optimizer=optimizer, staging=dict(profile.staging)),
-    )
+    return analyse(captured, device=profile, optimizer=optimizer)

@@ -1,0 +1,149 @@
+"""`simplefsdp inspect --advise`: run the advisor from parsed flags and show its ranking and winner."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from rich.console import Console
+from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+import simplefsdp
+from simplefsdp.inspect.advise import Advice, Row, advise
+from simplefsdp.inspect.dryrun import AC_POLICIES
+from simplefsdp.inspect.report import builtin_profile_note
+
+__all__ = ["advice_json", "run_advise", "show_advice"]
+
+GIB = 2**30
+
+
+def _verdict_cell(row: Row) -> str:
+    verdict = row.verdict
+    if row.pruned:
+        return "[red]no (bound, not traced)[/red]"
+    if verdict.fits:
+        return "[green]fits[/green]"
+    if verdict.headroom_bytes >= 0:
+        return "[yellow]only without the margin[/yellow]"
+    return f"[red]over by {-verdict.headroom_bytes / GIB:,.1f} GiB[/red]"
+
+
+def ranking_table(advice: Advice, *, rows: int) -> Table:
+    capacity = f"{advice.capacity_bytes / GIB:,.1f} GiB, margin {advice.margin:.0%}"
+    table = Table(
+        title=f"advise: {advice.model} at world {advice.world_size} on {advice.device.name} ({capacity}); "
+        f"{len(advice.rows)} configurations, {advice.traces} traced, {advice.search_s:.0f} s"
+    )
+    for column in ("#", "strategy", "AC", "TP", "plan", "step ms", "tokens/s/GPU", "MFU", "peak GiB", "exposed", ""):
+        table.add_column(column, justify="right" if column in ("#", "TP", "step ms", "tokens/s/GPU") else "left")
+    for i, row in enumerate(advice.rows[:rows], 1):
+        choice, result = row.choice, row.result
+        plan = choice.plan if choice.prefetch_depth is None else f"{choice.plan}, prefetch {choice.prefetch_depth}"
+        if result is None:
+            numbers = ["-", "-", "-", f">= {row.bound_bytes / GIB:,.1f}", "-"]
+        else:
+            per_gpu = "-" if result.tokens_per_s is None else f"{result.tokens_per_s / advice.world_size:,.0f}"
+            numbers = [
+                f"{result.step_s * 1e3:,.1f}",
+                per_gpu,
+                "-" if row.mfu is None else f"{row.mfu:.0%}",
+                f"{result.peak_bytes / GIB:,.1f}",
+                f"{result.exposed_pct:.0f}%",
+            ]
+        table.add_row(str(i), choice.strategy.value, choice.ac, str(choice.tp), plan, *numbers, _verdict_cell(row))
+    return table
+
+
+def show_advice(
+    advice: Advice, args: argparse.Namespace, console: Console, *, batch: int | None, seq: int | None
+) -> None:
+    """The ranking, then the winner's `simplefsdp train` flags (named shapes: `batch` x `seq` per
+    rank) and wrap call, or what came closest."""
+    console.print(ranking_table(advice, rows=args.rows))
+    note = builtin_profile_note(advice.device)
+    if note:
+        console.print(f"[yellow]{note}[/yellow]")
+    winner = advice.winner
+    if winner is None:
+        closest = min(advice.rows, key=lambda row: row.verdict.peak_bytes)
+        console.print(
+            f"[red]nothing fits[/red] on {advice.device.name} ({advice.capacity_bytes / GIB:,.1f} GiB with a "
+            f"{advice.margin:.0%} margin); the smallest peak is {closest.verdict.peak_bytes / GIB:,.1f} GiB "
+            f"({closest.choice.label()}): more ranks, a larger --tp, or a smaller --micro-batch / --seq"
+        )
+        return
+    result = winner.result
+    console.print(f"[green]run:[/green] {winner.choice.label()} -- {result.describe()}")
+    param, reduce = args.param_dtype, args.reduce_dtype
+    if batch is not None and seq is not None:
+        flags = winner.choice.train_flags(
+            param_dtype=param, reduce_dtype=reduce, batch=batch, seq=seq, profile=args.device
+        )
+        console.print(f"simplefsdp train {flags}", soft_wrap=True, highlight=False)
+    console.print(
+        winner.choice.wrap_call(
+            param_dtype=param, reduce_dtype=reduce, profile=args.device, shard_size=args.shard_size
+        ),
+        soft_wrap=True,
+        highlight=False,
+    )
+
+
+def advice_json(advice: Advice) -> dict:
+    """The ranking as plain data (what `--out` writes)."""
+
+    def row(r: Row) -> dict:
+        out = {
+            "strategy": r.choice.strategy.value,
+            "ac": r.choice.ac,
+            "tp": r.choice.tp,
+            "plan": r.choice.plan,
+            "prefetch_depth": r.choice.prefetch_depth,
+            "fits": r.fits,
+            "peak_bytes": r.verdict.peak_bytes,
+            "pruned_by_bound": r.pruned,
+        }
+        if r.result is not None:
+            out |= {"step_s": r.result.step_s, "exposed_s": r.result.exposed_s, "tokens_per_s": r.result.tokens_per_s}
+            out |= {"mfu": r.mfu, "parts": r.verdict.parts}
+        return out
+
+    return {
+        "model": advice.model,
+        "world_size": advice.world_size,
+        "device": advice.device.name,
+        "capacity_bytes": advice.capacity_bytes,
+        "margin": advice.margin,
+        "rows": [row(r) for r in advice.rows],
+    }
+
+
+def run_advise(args: argparse.Namespace, *, model, mp_policy: simplefsdp.MixedPrecisionPolicy) -> Advice:
+    """The advisor per the parsed flags, with a progress line per trace."""
+    capacity = None if args.device_memory_gib is None else args.device_memory_gib * 2**30
+    with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), transient=True) as bar:
+        task = bar.add_task("advise: starting", total=None)
+        advice = advise(
+            model,
+            world_size=args.world,
+            device=args.device,
+            tp=args.tp,
+            ac=(args.ac,) if args.ac else AC_POLICIES,
+            shard_size=args.shard_size,
+            mp_policy=mp_policy,
+            batch=args.batch,
+            seq=args.seq,
+            optimizer=args.optimizer,
+            margin=args.margin,
+            capacity_bytes=capacity,
+            max_traced_blocks=args.max_traced_blocks,
+            on_progress=lambda label: bar.update(task, description=f"advise: {label}"),
+        )
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "advice.json").write_text(json.dumps(advice_json(advice), indent=1))
+    return advice

@@ -1,0 +1,215 @@
+"""The advisor: re-costing equals tracing, the ranking's rules, determinism, pruning, the CLI and its
+bad input, and -- on 2 gloo ranks -- that what it says fits stays within its predicted memory."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+import pytest
+
+from simplefsdp.inspect import cli
+from simplefsdp.inspect.advise import PASS_VARIANTS, Choice, advise, rank
+from simplefsdp.inspect.dryrun import dry_run
+from simplefsdp.strategy import ShardingStrategy
+from simplefsdp.train.config import parse_args
+from tests._tiers import fast_first
+from tests.inspect._advised_ranks import measured_peak
+
+AC = ("none", "full")
+
+
+def _numbers(advice) -> list[tuple]:
+    return [
+        (
+            row.choice,
+            row.fits,
+            row.verdict.peak_bytes,
+            None if row.result is None else row.result.step_s,
+            None if row.result is None else row.result.exposed_s,
+        )
+        for row in advice.rows
+    ]
+
+
+@pytest.fixture(scope="module")
+def tiny_w8():
+    """Every configuration of "tiny" at world 8 on h100, with a capacity some fit and some do not."""
+    roomy = advise("tiny", world_size=8, device="h100", ac=AC, capacity_bytes=2**30)
+    peaks = sorted(row.verdict.peak_bytes for row in roomy.rows)
+    middle = peaks[len(peaks) // 2]
+    return advise("tiny", world_size=8, device="h100", ac=AC, capacity_bytes=middle / 0.9)
+
+
+def test_every_configuration_is_costed_once(tiny_w8):
+    strategies = (ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP)
+    expected = {
+        Choice(strategy=s, ac=a, tp=1, plan=p, prefetch_depth=d)
+        for s in strategies
+        for a in AC
+        for p, d in PASS_VARIANTS
+    }
+    assert len(tiny_w8.rows) == len(expected), "no configuration twice"
+    assert {row.choice for row in tiny_w8.rows} == expected
+    assert tiny_w8.traces == len(strategies) * len(AC), "one trace per strategy x AC, not per pass variant"
+    assert tiny_w8.recosts == len(expected)
+
+
+def test_recosting_equals_tracing_with_the_pass_on(tiny_w8):
+    """[Note: trace once, re-cost many]: the default pass (blocks, prefetch 1) and no pass, re-costed
+    on the pass-off trace, give exactly what a dry run compiled with them gives."""
+    by_choice = {row.choice: row.result for row in tiny_w8.rows}
+    for plan, depth, passes in (("blocks", 1, dry_run.__kwdefaults__["passes"]), ("none", None, None)):
+        traced = dry_run("tiny", world_size=8, device="h100", passes=passes)
+        choice = Choice(strategy=ShardingStrategy.FULL_SHARD, ac="none", tp=1, plan=plan, prefetch_depth=depth)
+        recosted = by_choice[choice]
+        assert recosted.step_s == pytest.approx(traced.step_s, rel=1e-9), plan
+        assert recosted.exposed_s == pytest.approx(traced.exposed_s, rel=1e-9, abs=1e-12), plan
+        assert recosted.peak_bytes == traced.peak_bytes, plan
+
+
+def test_ranking_fits_first_fastest_first_then_smallest_peak(tiny_w8):
+    fits = [row for row in tiny_w8.rows if row.fits]
+    rest = [row for row in tiny_w8.rows if not row.fits]
+    assert fits, "the fixture's capacity fits some configurations"
+    assert rest, "and not others"
+    assert tiny_w8.rows[: len(fits)] == tuple(fits), "every fitting row ranks above every other"
+    throughput = [row.result.tokens_per_s for row in fits]
+    assert throughput == sorted(throughput, reverse=True), "most tokens per second first"
+    peaks = [row.verdict.peak_bytes for row in rest]
+    assert peaks == sorted(peaks)
+    assert all(row.verdict.peak_bytes <= 0.9 * tiny_w8.capacity_bytes for row in fits)
+    assert tiny_w8.winner is tiny_w8.rows[0]
+    assert tiny_w8.winner.result.tokens_per_s == max(throughput)
+
+
+def test_the_ranking_does_not_depend_on_the_order_rows_are_costed_in(tiny_w8):
+    shuffled = list(tiny_w8.rows)
+    random.Random(0).shuffle(shuffled)
+    assert rank(shuffled) == tiny_w8.rows
+
+
+@pytest.mark.slow
+def test_same_answer_twice(tiny_w8):
+    """A second search, with its own traces, ranks the same configurations with the same numbers."""
+    again = advise("tiny", world_size=8, device="h100", ac=AC, capacity_bytes=tiny_w8.capacity_bytes)
+    assert _numbers(again) == _numbers(tiny_w8)
+
+
+def test_a_bound_above_the_memory_prunes_without_tracing():
+    """SHARD_GRAD_OP keeps every gathered weight from forward to backward: with less memory than
+    that, its rows are listed as not fitting, with the bound, and never traced."""
+    roomy = advise("tiny", world_size=8, device="h100", ac=("full",), capacity_bytes=2**30)
+    persistent = roomy.rows[0].result.persistent
+    held = persistent.params_bytes + persistent.optimizer_bytes
+    tight = held + 1000  # above the shards and optimizer state, below them plus the bf16 weights
+    advice = advise("tiny", world_size=8, device="h100", ac=("full",), capacity_bytes=tight)
+    pruned = [row for row in advice.rows if row.pruned]
+    assert {row.choice.strategy for row in pruned} == {ShardingStrategy.SHARD_GRAD_OP}
+    assert len(pruned) == len(PASS_VARIANTS)
+    assert all(row.bound_bytes > tight and not row.fits for row in pruned)
+    assert advice.traces == 1, "only FULL_SHARD was traced"
+    assert advice.winner is None or advice.winner.choice.strategy is ShardingStrategy.FULL_SHARD
+
+
+def test_choice_renders_the_flags_and_the_wrap_call():
+    choice = Choice(strategy=ShardingStrategy.FULL_SHARD, ac="full", tp=2, plan="blocks", prefetch_depth=2)
+    flags = choice.train_flags(param_dtype="bf16", reduce_dtype="fp32", batch=1, seq=64, profile="h100")
+    config = parse_args(flags.split())  # the train command takes them as they are
+    settings = (config.strategy, config.tp, config.activation_checkpoint, config.bucket_plan, config.prefetch_depth)
+    assert settings == ("FULL_SHARD", 2, "full", "blocks", 2)
+    assert (config.param_dtype, config.reduce_dtype, config.batch_per_rank, config.seq_len) == ("bf16", "fp32", 1, 64)
+    code = choice.wrap_call(param_dtype="bf16", reduce_dtype="fp32", profile="h100", shard_size=None)
+    assert 'parallelize_module(model, mesh["tp"], tensor_parallel_plan(model))' in code
+    assert 'simplefsdp.checkpoint_blocks(model, policy="full")' in code
+    assert "ReorderConfig(prefetch_depth=2)" in code
+    compile(code, "<wrap call>", "exec")  # valid Python
+    auto = dataclasses.replace(choice, plan="auto", prefetch_depth=None, tp=1)
+    assert "--profile h100" in auto.train_flags(param_dtype="bf16", reduce_dtype="fp32", batch=1, seq=8, profile="h100")
+    assert 'BucketConfig(plan="auto", device="h100")' in auto.wrap_call(
+        param_dtype="bf16", reduce_dtype="fp32", profile="h100", shard_size=None
+    )
+
+
+def test_cli_prints_the_ranking_and_the_winner(capsys):
+    argv = ["tiny", "--world", "8", "--device", "h100", "--advise", "--ac", "none", "--device-memory-gib", "1"]
+    assert cli.main(argv) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "advise: tiny at world 8 on h100" in out
+    assert "run: " in out
+    assert "simplefsdp train --strategy" in out
+    assert "simplefsdp.wrap(" in out
+    assert "built-in 'h100' profile (datasheet numbers" in out
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--tp", "1,3"], "tp degrees must be positive integers dividing the world size 8"),
+        (["--tp", "two"], None),  # argparse's own error, exit 2
+        (["--device-memory-gib", "0"], "--device-memory-gib must be > 0"),
+        (["--device", "cpu-gloo"], "has no memory capacity"),
+        (["--device", "tpu-v9"], "unknown"),
+    ],
+)
+def test_cli_bad_input_is_one_line_naming_it(capsys, argv, message):
+    if message is None:
+        with pytest.raises(SystemExit) as exit_:
+            cli.main(["tiny", "--world", "8", "--advise", *argv])
+        assert exit_.value.code == 2
+        assert "comma-separated list" in capsys.readouterr().err
+        return
+    assert cli.main(["tiny", "--world", "8", "--advise", *argv]) == 2
+    out = capsys.readouterr().out
+    assert "error:" in out
+    assert message in " ".join(out.split())
+
+
+def test_one_tp_degree_without_advise(capsys):
+    assert cli.main(["tiny", "--world", "8", "--tp", "1,2"]) == 2
+    assert "--tp takes one degree without --advise" in capsys.readouterr().out
+
+
+@pytest.fixture(scope="module")
+def tiny_w2():
+    return advise("tiny", world_size=2, device="cpu-gloo", ac=AC, capacity_bytes=2**30)
+
+
+def _distinct(rows):
+    """One row per (strategy, AC, plan): the variants whose memory differs most."""
+    seen, picked = set(), []
+    for row in rows:
+        key = (row.choice.strategy, row.choice.ac, row.choice.plan)
+        if key not in seen:
+            seen.add(key)
+            picked.append(row)
+    return picked
+
+
+@pytest.mark.parametrize("index", fast_first(range(12), fast=2))
+def test_what_it_says_fits_stays_within_its_predicted_memory(ranks2, tiny_w2, index):
+    """The advisor's configurations (the winner first), run on 2 gloo ranks: this rank's shards and
+    optimizer state plus the most tensor bytes alive in a forward + backward (`LiveTensorBytes`,
+    the op-by-op backend) do not exceed the predicted peak by more than the margin -- and are not
+    far below it (a check that cannot pass by measuring nothing)."""
+    rows = _distinct(tiny_w2.rows)
+    assert len(rows) == 12
+    assert rows[0] is tiny_w2.winner
+    row = rows[index]
+    measured = ranks2.run(measured_peak, "tiny", row.choice, device="cpu-gloo")
+    predicted = row.verdict.peak_bytes
+    for which, nbytes in enumerate(measured):
+        assert nbytes <= predicted * (1 + tiny_w2.margin), (row.choice.label(), which, nbytes, predicted)
+        assert nbytes >= 0.8 * predicted, (row.choice.label(), which, nbytes, predicted)
+
+
+def test_tensor_parallel_rows_rank_by_throughput_not_step_time(tiny_w8):
+    """A TP-2 step that is 40% shorter trains half the sequences per step over the same GPUs: it
+    loses to the longer data-parallel step (8 / 1.0 vs 4 / 0.6 sequences per step-time unit)."""
+    dp = tiny_w8.winner
+    tp_choice = dataclasses.replace(dp.choice, tp=2)
+    tp = dataclasses.replace(
+        dp, choice=tp_choice, result=dataclasses.replace(dp.result, tp=2, step_s=0.6 * dp.result.step_s)
+    )
+    assert tp.result.step_s < dp.result.step_s
+    assert rank([tp, dp]) == (dp, tp)
