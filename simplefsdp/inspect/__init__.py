@@ -5,7 +5,8 @@
     report.save("out/")  # graphs, inductor code, JSON tables, timeline.png, timeline.html
     graphs = record_step(wrapped_model, lambda compiled: compiled(x).sum())  # just the graphs, pre / post pass
 
-Command line: `simplefsdp inspect MODEL --world N --device h100 --out DIR` (`cli.py`).
+What to run: `simplefsdp.inspect.advise.advise(...)` (the search, `advise.py`), on the command line
+`--advise`. Command line: `simplefsdp inspect MODEL --world N --device h100 --out DIR` (`cli.py`).
 """
 
 from simplefsdp.inspect.buckets import BucketRow, bucket_table

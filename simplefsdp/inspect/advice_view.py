@@ -24,6 +24,8 @@ def _verdict_cell(row: Row) -> str:
     verdict = row.verdict
     if row.pruned:
         return "[red]no (bound, not traced)[/red]"
+    if not row.steady:
+        return "[yellow]unsteady extrapolation (not ranked)[/yellow]"
     if verdict.fits:
         return "[green]fits[/green]"
     if verdict.headroom_bytes >= 0:
@@ -41,7 +43,6 @@ def ranking_table(advice: Advice, *, rows: int) -> Table:
         table.add_column(column, justify="right" if column in ("#", "TP", "step ms", "tokens/s/GPU") else "left")
     for i, row in enumerate(advice.rows[:rows], 1):
         choice, result = row.choice, row.result
-        plan = choice.plan if choice.prefetch_depth is None else f"{choice.plan}, prefetch {choice.prefetch_depth}"
         if result is None:
             numbers = ["-", "-", "-", f">= {row.bound_bytes / GIB:,.1f}", "-"]
         else:
@@ -53,7 +54,9 @@ def ranking_table(advice: Advice, *, rows: int) -> Table:
                 f"{result.peak_bytes / GIB:,.1f}",
                 f"{result.exposed_pct:.0f}%",
             ]
-        table.add_row(str(i), choice.strategy.value, choice.ac, str(choice.tp), plan, *numbers, _verdict_cell(row))
+        table.add_row(
+            str(i), choice.strategy.value, choice.ac, str(choice.tp), choice.plan_label(), *numbers, _verdict_cell(row)
+        )
     return table
 
 
@@ -102,9 +105,11 @@ def advice_json(advice: Advice) -> dict:
             "tp": r.choice.tp,
             "plan": r.choice.plan,
             "prefetch_depth": r.choice.prefetch_depth,
+            "memory_budget": r.choice.memory_budget,
             "fits": r.fits,
             "peak_bytes": r.verdict.peak_bytes,
             "pruned_by_bound": r.pruned,
+            "steady": r.steady,
         }
         if r.result is not None:
             out |= {"step_s": r.result.step_s, "exposed_s": r.result.exposed_s, "tokens_per_s": r.result.tokens_per_s}
@@ -132,6 +137,7 @@ def run_advise(args: argparse.Namespace, *, model, mp_policy: simplefsdp.MixedPr
             device=args.device,
             tp=args.tp,
             ac=(args.ac,) if args.ac else AC_POLICIES,
+            strategies=None if args.strategy is None else (args.strategy,),
             shard_size=args.shard_size,
             mp_policy=mp_policy,
             batch=args.batch,
@@ -140,6 +146,7 @@ def run_advise(args: argparse.Namespace, *, model, mp_policy: simplefsdp.MixedPr
             margin=args.margin,
             capacity_bytes=capacity,
             max_traced_blocks=args.max_traced_blocks,
+            jobs=args.jobs,
             on_progress=lambda label: bar.update(task, description=f"advise: {label}"),
         )
     if args.out:

@@ -3,38 +3,49 @@
     advice = advise("llama3-70b", world_size=64, device="h100", tp=(1, 8))
     advice.winner.choice, advice.winner.result.step_s, advice.rows   # ranked, best first
 
-It searches sharding strategy (FULL_SHARD re-gathers in backward, SHARD_GRAD_OP keeps the gathered
-weights; with a `shard_size`, the two HYBRID strategies too) x activation checkpointing (none,
-selective, full) x tensor-parallel degree (those asked for) x what simplefsdp's pass does (no
-passes; one bucket per block with prefetch depth 0, 1 or 2; the cost model's `auto` plan, which
-picks buckets and depth itself), costs each with the dry run's models (`schedule.py`, the
-liveness walk, the device profile) and ranks them.
+It searches sharding strategy (FULL_SHARD re-gathers in backward, SHARD_GRAD_OP keeps the
+gathered weights unless checkpointing recomputes them; with a `shard_size`, the two HYBRID
+strategies too) x activation checkpointing (none, selective, full) x tensor-parallel degree (those
+asked for) x what simplefsdp's pass does (no passes; one bucket per block with prefetch depth 0, 1
+or 2; the cost model's `auto` plan, which picks buckets and depth itself, without and with a memory
+budget of 0.25), costs each with the dry run's models (`schedule.py`, the liveness walk, the device
+profile) and ranks them.
 
 [Note: trace once, re-cost many]
 Only the first three axes change the graphs torch traces (reshard or keep, recompute or save,
-which collectives tensor parallelism adds), so each of their combinations is traced once (twice
-for a deep shape, see [Note: tracing a few blocks and extrapolating] in `dryrun.py`) with the pass
-off, and the pre-pass graphs are kept. Every pass variant is then the real `FsdpPass` -- built for
-the traced model and mesh exactly as `wrap()` builds it (`simplefsdp.wrap.make_pass`) -- run on a
-copy of those graphs: the graphs the compiler would have produced, without compiling again. (The
-test suite checks that re-costing the default pass gives the same step time and peak as a trace
-with the pass on.)
+which collectives tensor parallelism adds), so each of their combinations is traced once (at
+three depths for a deep shape, see [Note: a steady state to extrapolate from]) with the pass off,
+and the pre-pass graphs are kept. Every pass variant is then the real `FsdpPass` -- built for the
+traced model and mesh exactly as `wrap()` builds it (`simplefsdp.wrap.make_pass`) -- run on a copy
+of those graphs: the graphs the compiler would have produced, without compiling again. (The test
+suite checks that re-costing the default pass gives the same step time and peak as a trace with
+the pass on.)
 
 [Note: pruning by a lower bound]
 Some configurations cannot fit whatever the trace says: each rank holds at least its parameter
-shards and optimizer state, and under SHARD_GRAD_OP / HYBRID_SHARD_ZERO2 also every gathered
-parameter from its forward to its backward (at least the model's parameter count over the
-tensor-parallel degree, in the gather dtype). When that bound alone exceeds the device's memory,
-the configuration is listed as not fitting, with the bound, and not traced: for Llama-3-405B at
-1024 ranks this skips the ZeRO-2 traces, which keeps the search under two minutes on two cores.
+shards and optimizer state, and under SHARD_GRAD_OP / HYBRID_SHARD_ZERO2 without activation
+checkpointing also every gathered parameter from its forward to its backward (at least the
+model's parameter count over the tensor-parallel degree, in the gather dtype). (With
+checkpointing the gathers sit inside the recomputed region and are gathered again in backward:
+the traced peaks show it, so no such bound holds there.) When the bound alone exceeds the
+device's memory, the configuration is listed as not fitting, with the bound, and not traced.
+
+[Note: a steady state to extrapolate from]
+A deep shape is traced at 4, 5 and 6 blocks and each row extrapolated from 5 and 6 (see
+[Note: tracing a few blocks and extrapolating] in `dryrun.py`, which traces 4 and 5 for the
+default pass). The search needs the extra depth: with prefetch depth 2 the backward's gathered
+buffers of an activation-checkpointed Llama-3-70B grow by 1.6 GiB from 4 to 5 blocks and by
+nothing from 5 to 6, and the auto plan's buckets can span two blocks, so one added block need not
+add a block's worth. A row whose extrapolation from (4, 5) disagrees with the one from (5, 6) by
+more than 10% in step time or peak is marked unsteady: shown, never ranked as fitting.
 
 [Note: ranking]
-Rows that fit with the margin come first, most tokens per second over the world first (not the
-shortest step: a step with tensor parallelism of degree t trains t times fewer sequences over the
-same GPUs; a factory model's tokens are unknown and its step time decides, it has no TP); then the
-rest, smallest peak first. Ties keep the search's fixed order (strategy, AC, TP, plan, prefetch as listed
-above), so the ranking is a pure function of the traced graphs, the profile, the capacity and the
-margin: the same answer every time.
+Rows that fit with the margin (and are steady) come first, most tokens per second over the world
+first -- not the shortest step: a step with tensor parallelism of degree t trains t times fewer
+sequences on the same GPUs (a factory model's tokens are unknown; it has no TP and its step time
+decides). Then the rest, smallest peak first. Ties keep the search's fixed order (`Choice.order`:
+TP, strategy, AC, pass variant), so the ranking is a pure function of the traced graphs, the
+profile, the capacity and the margin: the same answer every time, in any number of processes.
 
 MFU counts model FLOPs per token as 6 x parameters + 12 x layers x width x sequence (weights
 forward and backward, and attention scores; recomputation not counted), over the profile's dense
@@ -43,9 +54,11 @@ peak `flops_per_s`; named shapes only.
 
 from __future__ import annotations
 
+import concurrent.futures
 import copy
 import dataclasses
 import logging
+import multiprocessing
 import tempfile
 import time
 from collections.abc import Callable, Sequence
@@ -56,10 +69,13 @@ import torch
 from torch import nn
 
 import simplefsdp
+from simplefsdp._compat import init_fake_process_group
+from simplefsdp.inspect.choice import PASS_VARIANTS, Choice
 from simplefsdp.inspect.dryrun import (
     AC_POLICIES,
     DryRunResult,
     Traced,
+    estimate,
     fake_world,
     full_depth_persistent,
     meshes,
@@ -72,119 +88,13 @@ from simplefsdp.inspect.report import Report, analyse, resolve_profile
 from simplefsdp.inspect.shapes import ModelShape, model_shape
 from simplefsdp.inspect.verdict import MemoryVerdict, memory_verdict
 from simplefsdp.passes import cost
-from simplefsdp.passes.fsdp_pass import BucketConfig, FsdpPass, PassConfig
-from simplefsdp.passes.reorder import ReorderConfig
+from simplefsdp.passes.fsdp_pass import FsdpPass
 from simplefsdp.strategy import ShardingStrategy
 from simplefsdp.wrap import make_pass
 
 __all__ = ["PASS_VARIANTS", "Advice", "Choice", "Row", "advise", "rank", "recost"]
 
 logger = logging.getLogger(__name__)
-
-# (plan, prefetch depth) re-costed per trace; see the module docstring
-PASS_VARIANTS: tuple[tuple[str, int | None], ...] = (
-    ("none", None),
-    ("blocks", 0),
-    ("blocks", 1),
-    ("blocks", 2),
-    ("auto", None),
-)
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class Choice:
-    """One configuration the advisor costs. `prefetch_depth` is None for the auto plan (it picks)
-    and for no passes."""
-
-    strategy: ShardingStrategy
-    ac: str
-    tp: int
-    plan: str  # "none" (passes off), "blocks", "auto"
-    prefetch_depth: int | None
-
-    def order(self) -> tuple[int, int, int, int]:
-        """Position in the search's fixed order (TP, strategy, AC, pass variant): the ranking's tie-break."""
-        strategies = list(ShardingStrategy)
-        return (
-            self.tp,
-            strategies.index(self.strategy),
-            AC_POLICIES.index(self.ac),
-            PASS_VARIANTS.index((self.plan, self.prefetch_depth)),
-        )
-
-    def label(self) -> str:
-        plan = self.plan if self.prefetch_depth is None else f"{self.plan}, prefetch {self.prefetch_depth}"
-        return f"{self.strategy.value}, AC {self.ac}, TP {self.tp}, {plan}"
-
-    def passes(self, *, device: str) -> PassConfig | None:
-        """The `PassConfig` this choice wraps with (`device`: the profile name or file the auto plan costs with)."""
-        if self.plan == "none":
-            return None
-        if self.plan == "auto":
-            return PassConfig(bucket=BucketConfig(plan="auto", device=device))
-        return PassConfig(bucket=BucketConfig(plan="blocks"), reorder=ReorderConfig(prefetch_depth=self.prefetch_depth))
-
-    def train_flags(self, *, param_dtype: str, reduce_dtype: str, batch: int, seq: int, profile: str) -> str:
-        """The `simplefsdp train` flags that run this configuration."""
-        flags = [
-            f"--strategy {self.strategy.value}",
-            f"--tp {self.tp}",
-            f"--activation-checkpoint {self.ac}",
-            f"--bucket-plan {self.plan}",
-            f"--param-dtype {param_dtype}",
-            f"--reduce-dtype {reduce_dtype}",
-            f"--batch-per-rank {batch}",
-            f"--seq-len {seq}",
-        ]
-        if self.prefetch_depth is not None:
-            flags.append(f"--prefetch-depth {self.prefetch_depth}")
-        if self.plan == "auto":
-            flags.append(f"--profile {profile}")
-        return " ".join(flags)
-
-    def wrap_call(self, *, param_dtype: str, reduce_dtype: str, profile: str, shard_size: int | None) -> str:
-        """Python that wraps a model as this configuration does (a CUDA job under torchrun)."""
-        lines = ["import torch, simplefsdp", "from torch.distributed.device_mesh import init_device_mesh"]
-        world = "torch.distributed.get_world_size()"
-        if self.tp > 1:
-            lines += [
-                "from torch.distributed.tensor.parallel import parallelize_module",
-                "from simplefsdp.models import tensor_parallel_plan",
-                f'mesh = init_device_mesh("cuda", ({world} // {self.tp}, {self.tp}), mesh_dim_names=("dp", "tp"))',
-                'parallelize_module(model, mesh["tp"], tensor_parallel_plan(model))',
-                'dp_mesh = mesh["dp"]',
-            ]
-        elif self.strategy.is_hybrid:
-            lines.append(
-                f'dp_mesh = init_device_mesh("cuda", ({world} // {shard_size}, {shard_size}), '
-                'mesh_dim_names=("replicate", "shard"))'
-            )
-        else:
-            lines.append(f'dp_mesh = init_device_mesh("cuda", ({world},))')
-        if self.ac != "none":
-            lines.append(f'simplefsdp.checkpoint_blocks(model, policy="{self.ac}")')
-        if self.plan == "none":
-            passes = "None"
-        elif self.plan == "auto":
-            passes = f'simplefsdp.PassConfig(bucket=simplefsdp.BucketConfig(plan="auto", device="{profile}"))'
-        else:
-            passes = f"simplefsdp.PassConfig(reorder=simplefsdp.ReorderConfig(prefetch_depth={self.prefetch_depth}))"
-        mp = (
-            f"simplefsdp.MixedPrecisionPolicy(param_dtype=torch.{_DTYPE_NAMES[param_dtype]}, "
-            f"reduce_dtype=torch.{_DTYPE_NAMES[reduce_dtype]})"
-        )
-        lines += [
-            "model = simplefsdp.wrap(",
-            f'    model, dp_mesh, strategy="{self.strategy.value}",',
-            f"    mp_policy={mp},",
-            f"    passes={passes},",
-            ")",
-            "model = torch.compile(model)",
-        ]
-        return "\n".join(lines)
-
-
-_DTYPE_NAMES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -197,10 +107,12 @@ class Row:
     result: DryRunResult | None = None
     bound_bytes: int | None = None
     mfu: float | None = None
+    steady: bool = True  # see [Note: a steady state to extrapolate from]
 
     @property
     def fits(self) -> bool:
-        return bool(self.verdict.fits)
+        """Fits with the margin, by a prediction the advisor trusts (steady, see the notes)."""
+        return bool(self.verdict.fits) and self.steady
 
     @property
     def pruned(self) -> bool:
@@ -237,7 +149,8 @@ def recost(
         graph_pass(forward)
         graph_pass(backward)
     post = StepGraphs(pre=[graphs.forward_pre, graphs.backward_pre], post=[forward, backward])
-    return analyse(dataclasses.replace(report.capture, graphs=post), device=device, optimizer=optimizer)
+    capture = dataclasses.replace(report.capture, graphs=post)
+    return analyse(capture, device=device, optimizer=optimizer, buckets=False)  # the advisor ranks, shows no tables
 
 
 def _model_flops_per_token(shape: ModelShape, *, seq: int) -> float:
@@ -250,10 +163,10 @@ def _keeps_gathered(strategy: ShardingStrategy) -> bool:
 
 
 def _lower_bound(
-    shape: ModelShape | Callable, persistent_total: int, *, strategy: ShardingStrategy, tp: int, itemsize: int
+    shape: ModelShape | Callable, persistent_total: int, *, strategy: ShardingStrategy, ac: str, tp: int, itemsize: int
 ) -> int:
     """Bytes per rank no run of this configuration can go below (see [Note: pruning by a lower bound])."""
-    if not (_keeps_gathered(strategy) and isinstance(shape, ModelShape)):
+    if not (_keeps_gathered(strategy) and ac == "none" and isinstance(shape, ModelShape)):
         return persistent_total
     params = sum(p.numel() for p in shape.build().parameters())
     return persistent_total + params * itemsize // tp
@@ -286,6 +199,7 @@ def advise(
     device: str | cost.DeviceProfile = "h100",
     tp: Sequence[int] = (1,),
     ac: Sequence[str] = AC_POLICIES,
+    strategies: Sequence[ShardingStrategy | str] | None = None,
     shard_size: int | None = None,
     mp_policy: simplefsdp.MixedPrecisionPolicy | None = None,
     batch: int | None = None,
@@ -294,11 +208,17 @@ def advise(
     margin: float = 0.1,
     capacity_bytes: float | None = None,
     max_traced_blocks: int = 8,
+    jobs: int = 1,
     on_progress: Callable[[str], None] | None = None,
 ) -> Advice:
     """Search the configurations of the module docstring for `model` at `world_size` ranks on
     `device` and rank them. `capacity_bytes` overrides the profile's memory; `margin` is the fits
-    verdict's safety margin; `on_progress(label)` is called before each trace."""
+    verdict's safety margin; `strategies` (default: FULL_SHARD and SHARD_GRAD_OP, and the HYBRID
+    pair with a `shard_size`) restricts the search; `jobs` > 1 traces that many configurations at
+    once in worker processes (named shapes; see [Note: worker processes]); `on_progress(label)` is
+    called as each configuration starts (one process) or finishes (workers)."""
+    if not isinstance(jobs, int) or jobs < 1:
+        raise ValueError(f"jobs must be a positive integer, got {jobs!r}")
     profile = resolve_profile(device)
     check_optimizer(optimizer)
     capacity = capacity_bytes if capacity_bytes is not None else profile.capacity_bytes
@@ -313,59 +233,39 @@ def advise(
     name = shape.name if isinstance(shape, ModelShape) else getattr(model, "__name__", type(model).__name__)
     tokens = shape.example_input(batch=batch, seq=seq).numel() if isinstance(shape, ModelShape) else None
     flops_per_token = _model_flops_per_token(shape, seq=seq or shape.seq) if isinstance(shape, ModelShape) else None
-    itemsize = (mp_policy.param_dtype or torch.float32).itemsize
+    searched = _strategies(shard_size) if strategies is None else tuple(map(ShardingStrategy.parse, strategies))
     started = time.perf_counter()
-    rows: list[Row] = []
-    traces = recosts = 0
-    with tempfile.TemporaryDirectory() as scratch, fake_world(world_size):
+    common = dict(
+        shape=shape,
+        name=name,
+        world_size=world_size,
+        shard_size=shard_size,
+        mp_policy=mp_policy,
+        batch=batch,
+        seq=seq,
+        optimizer=optimizer,
+        max_traced_blocks=max_traced_blocks,
+        profile=profile,
+        capacity=capacity,
+        margin=margin,
+        tokens=tokens,
+        flops_per_token=flops_per_token,
+    )
+    with tempfile.TemporaryDirectory() as scratch:
         # the auto plan takes a profile by name or file (`BucketConfig.device`)
         profile_ref = device if isinstance(device, str) else str(Path(scratch) / "profile.json")
         if not isinstance(device, str):
             cost.save_profile(profile, profile_ref)
-        for degree in tp:
-            for strategy in _strategies(shard_size):
-                mesh, tp_mesh = meshes(strategy=strategy, world_size=world_size, shard_size=shard_size, tp=degree)
-                persistent = None
-                if isinstance(shape, ModelShape):
-                    persistent = full_depth_persistent(
-                        shape, mesh=mesh, tp_mesh=tp_mesh, strategy=strategy, mp_policy=mp_policy, optimizer=optimizer
-                    )
-                for policy in ac:
-                    choices = [
-                        Choice(strategy=strategy, ac=policy, tp=degree, plan=plan, prefetch_depth=depth)
-                        for plan, depth in PASS_VARIANTS
-                    ]
-                    if persistent is not None:
-                        held = persistent.params_bytes + persistent.optimizer_bytes
-                        bound = _lower_bound(shape, held, strategy=strategy, tp=degree, itemsize=itemsize)
-                        if bound > capacity:
-                            rows += [_pruned(c, bound, profile, capacity, margin) for c in choices]
-                            continue
-                    if on_progress is not None:
-                        on_progress(f"tracing {strategy.value}, AC {policy}, TP {degree}")
-                    traced = trace(
-                        shape,
-                        mesh=mesh,
-                        tp_mesh=tp_mesh,
-                        strategy=strategy,
-                        ac=policy,
-                        mp_policy=mp_policy,
-                        passes=None,
-                        profile=profile,
-                        batch=batch,
-                        seq=seq,
-                        optimizer=optimizer,
-                        max_traced_blocks=max_traced_blocks,
-                    )
-                    traces += 1
-                    for choice in choices:
-                        result = _cost(choice, traced, mesh, profile, profile_ref, optimizer, name, world_size, tokens)
-                        recosts += 1
-                        mfu = None
-                        if flops_per_token is not None and result.tokens_per_s:
-                            mfu = result.tokens_per_s * flops_per_token / (world_size * profile.flops_per_s)
-                        verdict = memory_verdict(result, margin=margin, capacity_bytes=capacity)
-                        rows.append(Row(choice=choice, verdict=verdict, result=result, mfu=mfu))
+        work = [
+            _Job(tp=degree, strategy=strategy, ac=policy, profile_ref=profile_ref, **common)
+            for degree in tp
+            for strategy in searched
+            for policy in ac
+        ]
+        done = _run_all(work, jobs=jobs if isinstance(shape, ModelShape) else 1, on_progress=on_progress)
+    rows = [row for rows_of_job, _ in done for row in rows_of_job]
+    traces = sum(traced for _, traced in done)
+    recosts = sum(len(rows_of_job) for rows_of_job, traced in done if traced)
     advice = Advice(
         model=name,
         world_size=world_size,
@@ -379,6 +279,115 @@ def advise(
     )
     logger.info("advise: %d configurations, %d traced, %.1f s", len(rows), traces, advice.search_s)
     return advice
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class _Job:
+    """One traced configuration (strategy x AC x TP) and what costing its pass variants needs."""
+
+    shape: ModelShape | Callable[[], tuple[nn.Module, Any]]
+    name: str
+    world_size: int
+    tp: int
+    strategy: ShardingStrategy
+    ac: str
+    shard_size: int | None
+    mp_policy: simplefsdp.MixedPrecisionPolicy
+    batch: int | None
+    seq: int | None
+    optimizer: str
+    max_traced_blocks: int
+    profile: cost.DeviceProfile
+    profile_ref: str  # the profile by name or file, for the auto plan's BucketConfig
+    capacity: float
+    margin: float
+    tokens: int | None
+    flops_per_token: float | None
+
+    def label(self) -> str:
+        return f"{self.strategy.value}, AC {self.ac}, TP {self.tp}"
+
+
+def _run_job(job: _Job) -> tuple[list[Row], bool]:
+    """The rows of `job`'s pass variants and whether it was traced (False: pruned by the bound).
+    Runs inside a fake world of `job.world_size` ranks. Rows keep no graphs (`result.report` is None)."""
+    mesh, tp_mesh = meshes(strategy=job.strategy, world_size=job.world_size, shard_size=job.shard_size, tp=job.tp)
+    choices = [
+        Choice(strategy=job.strategy, ac=job.ac, tp=job.tp, plan=plan, prefetch_depth=depth, memory_budget=budget)
+        for plan, depth, budget in PASS_VARIANTS
+    ]
+    if isinstance(job.shape, ModelShape):
+        persistent = full_depth_persistent(
+            job.shape,
+            mesh=mesh,
+            tp_mesh=tp_mesh,
+            strategy=job.strategy,
+            mp_policy=job.mp_policy,
+            optimizer=job.optimizer,
+        )
+        held = persistent.params_bytes + persistent.optimizer_bytes
+        itemsize = (job.mp_policy.param_dtype or torch.float32).itemsize
+        bound = _lower_bound(job.shape, held, strategy=job.strategy, ac=job.ac, tp=job.tp, itemsize=itemsize)
+        if bound > job.capacity:
+            return [_pruned(c, bound, job.profile, job.capacity, job.margin) for c in choices], False
+    traced = trace(
+        job.shape,
+        mesh=mesh,
+        tp_mesh=tp_mesh,
+        strategy=job.strategy,
+        ac=job.ac,
+        mp_policy=job.mp_policy,
+        passes=None,
+        profile=job.profile,
+        batch=job.batch,
+        seq=job.seq,
+        optimizer=job.optimizer,
+        max_traced_blocks=job.max_traced_blocks,
+        depths=3,  # see [Note: a steady state to extrapolate from]
+    )
+    rows = []
+    for choice in choices:
+        result, steady = _cost(choice, traced, mesh, job)
+        mfu = None
+        if job.flops_per_token is not None and result.tokens_per_s:
+            mfu = result.tokens_per_s * job.flops_per_token / (job.world_size * job.profile.flops_per_s)
+        verdict = memory_verdict(result, margin=job.margin, capacity_bytes=job.capacity)
+        result = dataclasses.replace(result, report=None)  # graphs stay here: rows are small and picklable
+        rows.append(Row(choice=choice, verdict=verdict, result=result, mfu=mfu, steady=steady))
+    return rows, True
+
+
+def _start_worker(world_size: int) -> None:
+    init_fake_process_group(rank=0, world_size=world_size)
+
+
+def _run_all(work: list[_Job], *, jobs: int, on_progress: Callable[[str], None] | None) -> list[tuple[list[Row], bool]]:
+    """`_run_job` over `work`, in this process or in `jobs` worker processes; results in `work`'s order.
+
+    [Note: worker processes]
+    Tracing is single-threaded Python (Dynamo and AOTAutograd), so configurations trace in parallel
+    only in separate processes: each worker (spawned, so no state of this process leaks in) joins its
+    own fake world and runs whole jobs -- trace, then every pass variant -- and sends back rows
+    without graphs. A job's rows depend only on the job, so the answer is the same with any number
+    of workers (tested). A factory model may not survive pickling: it always runs here."""
+    if jobs == 1 or len(work) == 1:
+        done = []
+        with fake_world(work[0].world_size):
+            for job in work:
+                if on_progress is not None:
+                    on_progress(f"tracing {job.label()} ({len(done) + 1} of {len(work)})")
+                done.append(_run_job(job))
+        return done
+    context = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(
+        max_workers=min(jobs, len(work)), mp_context=context, initializer=_start_worker, initargs=(work[0].world_size,)
+    ) as pool:
+        futures = [pool.submit(_run_job, job) for job in work]
+        for finished, future in enumerate(concurrent.futures.as_completed(futures), 1):
+            future.result()  # a failure surfaces now, with the worker's traceback
+            if on_progress is not None:
+                on_progress(f"traced {finished} of {len(work)} configurations")
+        return [future.result() for future in futures]
 
 
 def rank(rows: Sequence[Row]) -> tuple[Row, ...]:
@@ -404,31 +413,36 @@ def _pruned(choice: Choice, bound: int, profile: cost.DeviceProfile, capacity: f
     return Row(choice=choice, verdict=verdict, bound_bytes=bound)
 
 
-def _cost(
-    choice: Choice,
-    traced: Traced,
-    mesh,
-    profile: cost.DeviceProfile,
-    profile_ref: str,
-    optimizer: str,
-    name: str,
-    world_size: int,
-    tokens: int | None,
-) -> DryRunResult:
-    """The dry-run result of `choice` on `traced`'s graphs, re-costed (no compile)."""
-    config = choice.passes(device=profile_ref)
+UNSTEADY = 0.1  # relative disagreement between the two extrapolations that marks a row unsteady
+
+
+def _steady(reports: tuple[Report, ...], traced: Traced) -> bool:
+    """Whether extrapolating from the first two traced depths agrees with the last two (one trace: yes)."""
+    if len(reports) < 3:
+        return True
+    early = estimate(reports[:2], blocks=traced.blocks[:2], n_layers=traced.n_layers)
+    late = estimate(reports[1:], blocks=traced.blocks[1:], n_layers=traced.n_layers)
+    pairs = ((early.step_s, late.step_s), (early.transient_bytes, late.transient_bytes))
+    return all(abs(a - b) <= UNSTEADY * max(abs(b), 1e-30) for a, b in pairs)
+
+
+def _cost(choice: Choice, traced: Traced, mesh, job: _Job) -> tuple[DryRunResult, bool]:
+    """The dry-run result of `choice` on `traced`'s graphs, re-costed (no compile), and whether its
+    extrapolation is steady."""
+    config = choice.passes(device=job.profile_ref)
     reports = []
     for report in traced.reports:
         graph_pass = None if config is None else make_pass(report.capture.model, config, mesh)
-        reports.append(recost(report, graph_pass, device=profile, optimizer=optimizer))
-    return result_of(
+        reports.append(recost(report, graph_pass, device=job.profile, optimizer=job.optimizer))
+    result = result_of(
         traced,
         tuple(reports),
-        model=name,
-        world_size=world_size,
-        device=profile,
+        model=job.name,
+        world_size=job.world_size,
+        device=job.profile,
         trace_s=0.0,
         tp=choice.tp,
         ac=choice.ac,
-        tokens=tokens,
+        tokens=job.tokens,
     )
+    return result, _steady(tuple(reports), traced)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -56,6 +57,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="activation checkpointing of every block (default none; --advise: searches all unless given)",
     )
     parser.add_argument(
+        "--jobs",
+        type=int,
+        default=os.cpu_count() or 1,
+        help="--advise: configurations traced at once, in worker processes (default: one per CPU core)",
+    )
+    parser.add_argument(
         "--advise",
         action="store_true",
         help="search strategy x AC x bucket plan x prefetch (x --tp degrees) and rank what fits by speed",
@@ -65,12 +72,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="h100",
         help=f"device profile: {', '.join(sorted(cost.PROFILES))}, or a file from `simplefsdp calibrate`",
     )
-    parser.add_argument("--strategy", default="FULL_SHARD", help=", ".join(ShardingStrategy.__members__))
+    parser.add_argument(
+        "--strategy",
+        default=None,
+        help=f"{', '.join(ShardingStrategy.__members__)} (default FULL_SHARD; --advise: searches them unless given)",
+    )
     parser.add_argument("--shard-size", type=int, default=None, help="ranks per shard group (HYBRID_* only)")
     parser.add_argument("--param-dtype", choices=sorted(_DTYPES), default="bf16", help="all-gather / compute dtype")
     parser.add_argument("--reduce-dtype", choices=sorted(_DTYPES), default="fp32", help="gradient reduction dtype")
     parser.add_argument(
-        "--plan", choices=["blocks", "auto", "none"], default="blocks", help="bucket plan; none: no passes"
+        "--plan",
+        choices=["blocks", "auto", "none"],
+        default=None,
+        help="bucket plan (default blocks); none: no passes; --advise searches the plans itself",
     )
     parser.add_argument(
         "--max-in-flight-gib", type=float, default=None, help="reorder budget for prefetched / in-flight buffers"
@@ -133,19 +147,20 @@ def run(args: argparse.Namespace) -> DryRunResult:
     """Dry-run per the parsed arguments; returns the result (the CLI prints it)."""
     if len(args.tp) != 1:
         raise ValueError(f"--tp takes one degree without --advise, got {','.join(map(str, args.tp))}")
-    if args.plan == "none":
+    plan = args.plan or "blocks"
+    if plan == "none":
         passes = None
     else:
         reorder = simplefsdp.ReorderConfig()
         if args.max_in_flight_gib is not None:
             reorder = simplefsdp.ReorderConfig(max_in_flight_bytes=int(args.max_in_flight_gib * 2**30))
-        bucket = simplefsdp.BucketConfig(plan=args.plan, device=args.device, memory_budget=args.memory_budget)
+        bucket = simplefsdp.BucketConfig(plan=plan, device=args.device, memory_budget=args.memory_budget)
         passes = simplefsdp.PassConfig(bucket=bucket, reorder=reorder)
     return dry_run(
         _model(args),
         world_size=args.world,
         device=args.device,
-        strategy=args.strategy,
+        strategy=args.strategy or "FULL_SHARD",
         shard_size=args.shard_size,
         mp_policy=_mp_policy(args),
         passes=passes,
@@ -256,6 +271,10 @@ def _advise(args: argparse.Namespace, console: Console) -> int:
 
     if args.code:
         raise ValueError("--advise traces on the meta device; --code is for a single dry run")
+    fixed = {"--plan": args.plan, "--memory-budget": args.memory_budget, "--max-in-flight-gib": args.max_in_flight_gib}
+    given = [flag for flag, value in fixed.items() if value is not None]
+    if given:
+        raise ValueError(f"--advise searches the bucket plans and prefetch depths itself; drop {', '.join(given)}")
     model = _model(args)
     advice = run_advise(args, model=model, mp_policy=_mp_policy(args))
     named = isinstance(model, ModelShape)

@@ -155,8 +155,8 @@ def _linear(small: float, large: float, large_at: int, target: int) -> float:
 
 
 def estimate(reports: tuple[Report, ...], *, blocks: tuple[int, ...], n_layers: int | None) -> Estimate:
-    """Step time, exposed time and transient peak of `reports` (one: as traced; two, of `blocks`
-    `(k, k + 1)`: extrapolated to `n_layers` blocks)."""
+    """Step time, exposed time and transient peak of `reports` (one: as traced; more, of `blocks`
+    `(k, k + 1, ...)`: extrapolated to `n_layers` blocks from the last two)."""
     if len(reports) == 1:
         (report,) = reports
         phase = max(("backward", "forward"), key=lambda g: _phase(report, g).peak_bytes)
@@ -166,10 +166,10 @@ def estimate(reports: tuple[Report, ...], *, blocks: tuple[int, ...], n_layers: 
             transient_bytes=report.memory.transient_bytes,
             parts=dict(_phase(report, phase).at_peak),
         )
-    small, large = reports
+    small, large = reports[-2:]
 
     def extrapolate(value: Callable[[Report], float]) -> float:
-        return _linear(value(small), value(large), blocks[1], n_layers)
+        return _linear(value(small), value(large), blocks[-1], n_layers)
 
     # each graph's peak on its own, then the larger: which graph peaks can change with depth
     phase = max(("forward", "backward"), key=lambda g: extrapolate(lambda r: _phase(r, g).peak_bytes))
@@ -197,9 +197,10 @@ def trace(
     optimizer: str = "adamw",
     max_traced_blocks: int = 8,
     code: bool = False,
+    depths: int = 2,
 ) -> Traced:
-    """Trace one configuration on `mesh` (inside `fake_world`): in full, or at k and k + 1 blocks
-    when a named shape is deeper than `max_traced_blocks`."""
+    """Trace one configuration on `mesh` (inside `fake_world`): in full, or at `depths` consecutive
+    block counts from k when a named shape is deeper than `max_traced_blocks`."""
 
     def one(n_layers: int | None) -> Report:
         torch.compiler.reset()  # a fresh Dynamo cache: each trace is a new model of the same class
@@ -216,10 +217,10 @@ def trace(
         report = one(full_layers)
         persistent = persistent_bytes(report.capture.model, optimizer=optimizer)
         return Traced(reports=(report,), blocks=(full_layers or 0,), n_layers=full_layers, persistent=persistent)
-    reports = (one(_TRACED), one(_TRACED + 1))
+    blocks = tuple(range(_TRACED, _TRACED + depths))
     return Traced(
-        reports=reports,
-        blocks=(_TRACED, _TRACED + 1),
+        reports=tuple(one(n) for n in blocks),
+        blocks=blocks,
         n_layers=full_layers,
         persistent=full_depth_persistent(
             shape, mesh=mesh, tp_mesh=tp_mesh, strategy=strategy, mp_policy=mp_policy, optimizer=optimizer
@@ -265,7 +266,8 @@ class DryRunResult:
     peak_bytes: int
     persistent: Persistent  # parameters, gradients, optimizer state of the full-depth model, per rank
     transient_parts: dict[str, int]  # the transient peak by kind (liveness.ACTIVATIONS, ...), full depth
-    report: Report  # the last trace (its tables and pictures show the traced blocks only)
+    report: Report | None  # the last trace (its tables and pictures show the traced blocks only);
+    # None in the advisor's rows, which keep no graphs
     trace_s: float
     tp: int = 1
     ac: str = "none"
@@ -288,7 +290,7 @@ class DryRunResult:
 
     def describe(self) -> str:
         traced = (
-            f"traced {self.traced_blocks[0]} and {self.traced_blocks[1]} of {self.n_layers} blocks, extrapolated"
+            f"traced {', '.join(map(str, self.traced_blocks))} of {self.n_layers} blocks, extrapolated"
             if self.extrapolated
             else "traced in full"
         )

@@ -87,11 +87,14 @@ class Report:
         return written
 
 
-def analyse(capture: StepCapture, *, device: cost.DeviceProfile, optimizer: str = "adamw") -> Report:
-    """The bucket table, schedule and memory of a captured step (its post-pass graphs) on `device`."""
+def analyse(
+    capture: StepCapture, *, device: cost.DeviceProfile, optimizer: str = "adamw", buckets: bool = True
+) -> Report:
+    """The bucket table (left empty with `buckets=False`), schedule and memory of a captured step
+    (its post-pass graphs) on `device`."""
     return Report(
         capture=capture,
-        buckets=bucket_table(capture),
+        buckets=bucket_table(capture) if buckets else [],
         schedule=simulate_step(
             capture.forward, capture.backward, device=device, model=capture.model, optimizer=optimizer
         ),

@@ -1,0 +1,134 @@
+"""`Choice`: one configuration the advisor (`advise.py`) costs, and how to run it.
+
+    choice.passes(device="h100")        # the PassConfig it wraps with
+    choice.train_flags(...)             # the `simplefsdp train` flags that run it
+    choice.wrap_call(...)               # the Python that wraps a model as it does
+
+`PASS_VARIANTS` lists what the pass may do in the search: the axes re-costed on one trace.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from simplefsdp.inspect.dryrun import AC_POLICIES
+from simplefsdp.passes.fsdp_pass import BucketConfig, PassConfig
+from simplefsdp.passes.reorder import ReorderConfig
+from simplefsdp.strategy import ShardingStrategy
+
+__all__ = ["PASS_VARIANTS", "Choice"]
+
+PASS_VARIANTS: tuple[tuple[str, int | None, float | None], ...] = (
+    ("none", None, None),
+    ("blocks", 0, None),
+    ("blocks", 1, None),
+    ("blocks", 2, None),
+    ("auto", None, None),
+    ("auto", None, 0.25),
+)  # (plan, prefetch depth, auto plan's memory budget) re-costed per trace; see the module docstring
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Choice:
+    """One configuration the advisor costs. `prefetch_depth` is None for the auto plan (it picks)
+    and for no passes; `memory_budget` is the auto plan's (a fraction of each graph's peak)."""
+
+    strategy: ShardingStrategy
+    ac: str
+    tp: int
+    plan: str  # "none" (passes off), "blocks", "auto"
+    prefetch_depth: int | None
+    memory_budget: float | None = None
+
+    def order(self) -> tuple[int, int, int, int]:
+        """Position in the search's fixed order (TP, strategy, AC, pass variant): the ranking's tie-break."""
+        strategies = list(ShardingStrategy)
+        return (
+            self.tp,
+            strategies.index(self.strategy),
+            AC_POLICIES.index(self.ac),
+            PASS_VARIANTS.index((self.plan, self.prefetch_depth, self.memory_budget)),
+        )
+
+    def plan_label(self) -> str:
+        if self.prefetch_depth is not None:
+            return f"{self.plan}, prefetch {self.prefetch_depth}"
+        if self.memory_budget is not None:
+            return f"{self.plan}, budget {self.memory_budget:g}"
+        return self.plan
+
+    def label(self) -> str:
+        return f"{self.strategy.value}, AC {self.ac}, TP {self.tp}, {self.plan_label()}"
+
+    def passes(self, *, device: str) -> PassConfig | None:
+        """The `PassConfig` this choice wraps with (`device`: the profile name or file the auto plan costs with)."""
+        if self.plan == "none":
+            return None
+        if self.plan == "auto":
+            return PassConfig(bucket=BucketConfig(plan="auto", device=device, memory_budget=self.memory_budget))
+        return PassConfig(bucket=BucketConfig(plan="blocks"), reorder=ReorderConfig(prefetch_depth=self.prefetch_depth))
+
+    def train_flags(self, *, param_dtype: str, reduce_dtype: str, batch: int, seq: int, profile: str) -> str:
+        """The `simplefsdp train` flags that run this configuration."""
+        flags = [
+            f"--strategy {self.strategy.value}",
+            f"--tp {self.tp}",
+            f"--activation-checkpoint {self.ac}",
+            f"--bucket-plan {self.plan}",
+            f"--param-dtype {param_dtype}",
+            f"--reduce-dtype {reduce_dtype}",
+            f"--batch-per-rank {batch}",
+            f"--seq-len {seq}",
+        ]
+        if self.prefetch_depth is not None:
+            flags.append(f"--prefetch-depth {self.prefetch_depth}")
+        if self.plan == "auto":
+            flags.append(f"--profile {profile}")
+        if self.memory_budget is not None:
+            flags.append(f"--memory-budget {self.memory_budget:g}")
+        return " ".join(flags)
+
+    def wrap_call(self, *, param_dtype: str, reduce_dtype: str, profile: str, shard_size: int | None) -> str:
+        """Python that wraps a model as this configuration does (a CUDA job under torchrun)."""
+        lines = ["import torch, simplefsdp", "from torch.distributed.device_mesh import init_device_mesh"]
+        world = "torch.distributed.get_world_size()"
+        if self.tp > 1:
+            lines += [
+                "from torch.distributed.tensor.parallel import parallelize_module",
+                "from simplefsdp.models import tensor_parallel_plan",
+                f'mesh = init_device_mesh("cuda", ({world} // {self.tp}, {self.tp}), mesh_dim_names=("dp", "tp"))',
+                'parallelize_module(model, mesh["tp"], tensor_parallel_plan(model))',
+                'dp_mesh = mesh["dp"]',
+            ]
+        elif self.strategy.is_hybrid:
+            lines.append(
+                f'dp_mesh = init_device_mesh("cuda", ({world} // {shard_size}, {shard_size}), '
+                'mesh_dim_names=("replicate", "shard"))'
+            )
+        else:
+            lines.append(f'dp_mesh = init_device_mesh("cuda", ({world},))')
+        if self.ac != "none":
+            lines.append(f'simplefsdp.checkpoint_blocks(model, policy="{self.ac}")')
+        if self.plan == "none":
+            passes = "None"
+        elif self.plan == "auto":
+            budget = "" if self.memory_budget is None else f", memory_budget={self.memory_budget!r}"
+            passes = f'simplefsdp.PassConfig(bucket=simplefsdp.BucketConfig(plan="auto", device="{profile}"{budget}))'
+        else:
+            passes = f"simplefsdp.PassConfig(reorder=simplefsdp.ReorderConfig(prefetch_depth={self.prefetch_depth}))"
+        mp = (
+            f"simplefsdp.MixedPrecisionPolicy(param_dtype=torch.{_DTYPE_NAMES[param_dtype]}, "
+            f"reduce_dtype=torch.{_DTYPE_NAMES[reduce_dtype]})"
+        )
+        lines += [
+            "model = simplefsdp.wrap(",
+            f'    model, dp_mesh, strategy="{self.strategy.value}",',
+            f"    mp_policy={mp},",
+            f"    passes={passes},",
+            ")",
+            "model = torch.compile(model)",
+        ]
+        return "\n".join(lines)
+
+
+_DTYPE_NAMES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
