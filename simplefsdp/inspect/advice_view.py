@@ -20,6 +20,10 @@ __all__ = ["advice_json", "run_advise", "show_advice"]
 GIB = 2**30
 
 
+def _size(nbytes: float) -> str:
+    return f"{nbytes / GIB:,.1f} GiB" if nbytes >= GIB else f"{nbytes / 2**20:,.1f} MiB"
+
+
 def _verdict_cell(row: Row) -> str:
     verdict = row.verdict
     if row.pruned:
@@ -30,28 +34,28 @@ def _verdict_cell(row: Row) -> str:
         return "[green]fits[/green]"
     if verdict.headroom_bytes >= 0:
         return "[yellow]only without the margin[/yellow]"
-    return f"[red]over by {-verdict.headroom_bytes / GIB:,.1f} GiB[/red]"
+    return f"[red]over by {_size(-verdict.headroom_bytes)}[/red]"
 
 
 def ranking_table(advice: Advice, *, rows: int) -> Table:
-    capacity = f"{advice.capacity_bytes / GIB:,.1f} GiB, margin {advice.margin:.0%}"
+    capacity = f"{_size(advice.capacity_bytes)}, margin {advice.margin:.0%}"
     table = Table(
         title=f"advise: {advice.model} at world {advice.world_size} on {advice.device.name} ({capacity}); "
         f"{len(advice.rows)} configurations, {advice.traces} traced, {advice.search_s:.0f} s"
     )
-    for column in ("#", "strategy", "AC", "TP", "plan", "step ms", "tokens/s/GPU", "MFU", "peak GiB", "exposed", ""):
+    for column in ("#", "strategy", "AC", "TP", "plan", "step ms", "tokens/s/GPU", "MFU", "peak / rank", "exposed", ""):
         table.add_column(column, justify="right" if column in ("#", "TP", "step ms", "tokens/s/GPU") else "left")
     for i, row in enumerate(advice.rows[:rows], 1):
         choice, result = row.choice, row.result
         if result is None:
-            numbers = ["-", "-", "-", f">= {row.bound_bytes / GIB:,.1f}", "-"]
+            numbers = ["-", "-", "-", f">= {_size(row.bound_bytes)}", "-"]
         else:
             per_gpu = "-" if result.tokens_per_s is None else f"{result.tokens_per_s / advice.world_size:,.0f}"
             numbers = [
                 f"{result.step_s * 1e3:,.1f}",
                 per_gpu,
                 "-" if row.mfu is None else f"{row.mfu:.0%}",
-                f"{result.peak_bytes / GIB:,.1f}",
+                _size(result.peak_bytes),
                 f"{result.exposed_pct:.0f}%",
             ]
         table.add_row(
@@ -71,12 +75,19 @@ def show_advice(
         console.print(f"[yellow]{note}[/yellow]")
     winner = advice.winner
     if winner is None:
-        closest = min(advice.rows, key=lambda row: row.verdict.peak_bytes)
+        traced = [row for row in advice.rows if not row.pruned] or list(advice.rows)
+        closest = min(traced, key=lambda row: row.verdict.peak_bytes)
         console.print(
-            f"[red]nothing fits[/red] on {advice.device.name} ({advice.capacity_bytes / GIB:,.1f} GiB with a "
-            f"{advice.margin:.0%} margin); the smallest peak is {closest.verdict.peak_bytes / GIB:,.1f} GiB "
+            f"[red]nothing fits[/red] on {advice.device.name} ({_size(advice.capacity_bytes)} with a "
+            f"{advice.margin:.0%} margin); the smallest peak is {_size(closest.verdict.peak_bytes)} "
             f"({closest.choice.label()}): more ranks, a larger --tp, or a smaller --micro-batch / --seq"
         )
+        unsure = [row for row in advice.rows if not row.steady and row.verdict.fits]
+        if unsure:
+            console.print(
+                f"{len(unsure)} configuration(s) fit by an unsteady extrapolation (e.g. {unsure[0].choice.label()}): "
+                "dry-run one with a larger --max-traced-blocks to settle it"
+            )
         return
     result = winner.result
     console.print(f"[green]run:[/green] {winner.choice.label()} -- {result.describe()}")
