@@ -131,8 +131,9 @@ def _phase(report: Report, phase: str) -> GraphPeak:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Traced:
-    """One configuration's traced step: one report (traced in full, `blocks == (n_layers,)`) or two
-    (`blocks == (k, k + 1)`, extrapolated to `n_layers`), and the full-depth model's persistent memory."""
+    """One configuration's traced step: one report (traced in full, `blocks == (n_layers,)`) or one
+    per depth (`blocks == (k, k + 1, ...)`, extrapolated to `n_layers`), and the full-depth model's
+    persistent memory."""
 
     reports: tuple[Report, ...]
     blocks: tuple[int, ...]
