@@ -153,8 +153,7 @@ def recost(
     return analyse(capture, device=device, optimizer=optimizer, buckets=False)  # the advisor ranks, shows no tables
 
 
-def _model_flops_per_token(shape: ModelShape, *, seq: int) -> float:
-    params = sum(p.numel() for p in shape.build().parameters())  # meta: free
+def _model_flops_per_token(shape: ModelShape, *, params: int, seq: int) -> float:
     return 6.0 * params + 12.0 * shape.args.n_layers * shape.args.dim * seq
 
 
@@ -163,12 +162,11 @@ def _keeps_gathered(strategy: ShardingStrategy) -> bool:
 
 
 def _lower_bound(
-    shape: ModelShape | Callable, persistent_total: int, *, strategy: ShardingStrategy, ac: str, tp: int, itemsize: int
+    persistent_total: int, *, params: int, strategy: ShardingStrategy, ac: str, tp: int, itemsize: int
 ) -> int:
     """Bytes per rank no run of this configuration can go below (see [Note: pruning by a lower bound])."""
-    if not (_keeps_gathered(strategy) and ac == "none" and isinstance(shape, ModelShape)):
+    if not (_keeps_gathered(strategy) and ac == "none"):
         return persistent_total
-    params = sum(p.numel() for p in shape.build().parameters())
     return persistent_total + params * itemsize // tp
 
 
@@ -232,7 +230,8 @@ def advise(
     shape = model_shape(model) if isinstance(model, str) else model
     name = shape.name if isinstance(shape, ModelShape) else getattr(model, "__name__", type(model).__name__)
     tokens = shape.example_input(batch=batch, seq=seq).numel() if isinstance(shape, ModelShape) else None
-    flops_per_token = _model_flops_per_token(shape, seq=seq or shape.seq) if isinstance(shape, ModelShape) else None
+    params = sum(p.numel() for p in shape.build().parameters()) if isinstance(shape, ModelShape) else None  # meta
+    flops_per_token = None if params is None else _model_flops_per_token(shape, params=params, seq=seq or shape.seq)
     searched = _strategies(shard_size) if strategies is None else tuple(map(ShardingStrategy.parse, strategies))
     started = time.perf_counter()
     common = dict(
@@ -249,6 +248,7 @@ def advise(
         capacity=capacity,
         margin=margin,
         tokens=tokens,
+        params=params,
         flops_per_token=flops_per_token,
     )
     with tempfile.TemporaryDirectory() as scratch:
@@ -302,6 +302,7 @@ class _Job:
     capacity: float
     margin: float
     tokens: int | None
+    params: int | None  # the full-depth model's parameter count (named shapes)
     flops_per_token: float | None
 
     def label(self) -> str:
@@ -316,6 +317,7 @@ def _run_job(job: _Job) -> tuple[list[Row], bool]:
         Choice(strategy=job.strategy, ac=job.ac, tp=job.tp, plan=plan, prefetch_depth=depth, memory_budget=budget)
         for plan, depth, budget in PASS_VARIANTS
     ]
+    persistent = None
     if isinstance(job.shape, ModelShape):
         persistent = full_depth_persistent(
             job.shape,
@@ -327,7 +329,7 @@ def _run_job(job: _Job) -> tuple[list[Row], bool]:
         )
         held = persistent.params_bytes + persistent.optimizer_bytes
         itemsize = (job.mp_policy.param_dtype or torch.float32).itemsize
-        bound = _lower_bound(job.shape, held, strategy=job.strategy, ac=job.ac, tp=job.tp, itemsize=itemsize)
+        bound = _lower_bound(held, params=job.params, strategy=job.strategy, ac=job.ac, tp=job.tp, itemsize=itemsize)
         if bound > job.capacity:
             return [_pruned(c, bound, job.profile, job.capacity, job.margin) for c in choices], False
     traced = trace(
@@ -343,6 +345,7 @@ def _run_job(job: _Job) -> tuple[list[Row], bool]:
         seq=job.seq,
         optimizer=job.optimizer,
         max_traced_blocks=job.max_traced_blocks,
+        persistent=persistent,  # computed above: the full-depth model is built and wrapped once per job
         depths=3,  # see [Note: a steady state to extrapolate from]
     )
     rows = []

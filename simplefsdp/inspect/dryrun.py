@@ -199,9 +199,11 @@ def trace(
     max_traced_blocks: int = 8,
     code: bool = False,
     depths: int = 2,
+    persistent: Persistent | None = None,
 ) -> Traced:
     """Trace one configuration on `mesh` (inside `fake_world`): in full, or at `depths` consecutive
-    block counts from k when a named shape is deeper than `max_traced_blocks`."""
+    block counts from k when a named shape is deeper than `max_traced_blocks` (then `persistent`,
+    the full-depth model's, when the caller has it already)."""
 
     def one(n_layers: int | None) -> Report:
         torch.compiler.reset()  # a fresh Dynamo cache: each trace is a new model of the same class
@@ -218,15 +220,12 @@ def trace(
         report = one(full_layers)
         persistent = persistent_bytes(report.capture.model, optimizer=optimizer)
         return Traced(reports=(report,), blocks=(full_layers or 0,), n_layers=full_layers, persistent=persistent)
-    blocks = tuple(range(_TRACED, _TRACED + depths))
-    return Traced(
-        reports=tuple(one(n) for n in blocks),
-        blocks=blocks,
-        n_layers=full_layers,
-        persistent=full_depth_persistent(
+    if persistent is None:
+        persistent = full_depth_persistent(
             shape, mesh=mesh, tp_mesh=tp_mesh, strategy=strategy, mp_policy=mp_policy, optimizer=optimizer
-        ),
-    )
+        )
+    blocks = tuple(range(_TRACED, _TRACED + depths))
+    return Traced(reports=tuple(one(n) for n in blocks), blocks=blocks, n_layers=full_layers, persistent=persistent)
 
 
 def full_depth_persistent(
