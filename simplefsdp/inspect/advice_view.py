@@ -28,7 +28,7 @@ def _verdict_cell(row: Row) -> str:
     verdict = row.verdict
     if row.pruned:
         return "[red]no (bound, not traced)[/red]"
-    if not row.steady:
+    if row.steady is False:
         return "[yellow]unsteady extrapolation (not ranked)[/yellow]"
     if verdict.fits:
         return "[green]fits[/green]"
@@ -82,7 +82,7 @@ def show_advice(
             f"{advice.margin:.0%} margin); the smallest peak is {_size(closest.verdict.peak_bytes)} "
             f"({closest.choice.label()}): more ranks, a larger --tp, or a smaller --micro-batch / --seq"
         )
-        unsure = [row for row in advice.rows if not row.steady and row.verdict.fits]
+        unsure = [row for row in advice.rows if row.steady is False and row.verdict.fits]
         if unsure:
             console.print(
                 f"{len(unsure)} configuration(s) fit by an unsteady extrapolation (e.g. {unsure[0].choice.label()}): "
@@ -120,7 +120,7 @@ def advice_json(advice: Advice) -> dict:
             "fits": r.fits,
             "peak_bytes": r.verdict.peak_bytes,
             "pruned_by_bound": r.pruned,
-            "steady": r.steady,
+            "steady": r.steady,  # None: not checked (nothing of its configuration fits)
         }
         if r.result is not None:
             out |= {"step_s": r.result.step_s, "exposed_s": r.result.exposed_s, "tokens_per_s": r.result.tokens_per_s}

@@ -14,7 +14,7 @@ profile) and ranks them.
 [Note: trace once, re-cost many]
 Only the first three axes change the graphs torch traces (reshard or keep, recompute or save,
 which collectives tensor parallelism adds), so each of their combinations is traced once (at
-three depths for a deep shape, see [Note: a steady state to extrapolate from]) with the pass off,
+two or three depths for a deep shape, see [Note: a steady state to extrapolate from]) with the pass off,
 and the pre-pass graphs are kept. Every pass variant is then the real `FsdpPass` -- built for the
 traced model and mesh exactly as `wrap()` builds it (`simplefsdp.wrap.make_pass`) -- run on a copy
 of those graphs: the graphs the compiler would have produced, without compiling again. (The test
@@ -31,13 +31,24 @@ the traced peaks show it, so no such bound holds there.) When the bound alone ex
 device's memory, the configuration is listed as not fitting, with the bound, and not traced.
 
 [Note: a steady state to extrapolate from]
-A deep shape is traced at 4, 5 and 6 blocks and each row extrapolated from 5 and 6 (see
-[Note: tracing a few blocks and extrapolating] in `dryrun.py`, which traces 4 and 5 for the
-default pass). The search needs the extra depth: with prefetch depth 2 the backward's gathered
-buffers of an activation-checkpointed Llama-3-70B grow by 1.6 GiB from 4 to 5 blocks and by
-nothing from 5 to 6, and the auto plan's buckets can span two blocks, so one added block need not
-add a block's worth. A row whose extrapolation from (4, 5) disagrees with the one from (5, 6) by
-more than 10% in step time or peak is marked unsteady: shown, never ranked as fitting.
+A deep shape's rows are extrapolated from traces at 5 and 6 blocks (see [Note: tracing a few
+blocks and extrapolating] in `dryrun.py`, which traces 4 and 5 for the default pass). The search
+needs the extra depth: with prefetch depth 2 the backward's gathered buffers of an
+activation-checkpointed Llama-3-70B grow by 1.6 GiB from 4 to 5 blocks and by nothing from 5 to
+6, and the auto plan's buckets can span two blocks, so one added block need not add a block's
+worth. Where a row fits by that extrapolation, its configuration is also traced at 4 blocks, and
+a row whose extrapolation from (4, 5) disagrees with the one from (5, 6) by more than 10% in step
+time or peak is marked unsteady: shown, never ranked as fitting. A configuration none of whose
+rows fits is not traced at 4 blocks: no check could make it fit (its rows show steadiness "not
+checked").
+
+[Note: the search's rounds]
+The work is cut into tasks small enough to keep every worker busy (`workers.py`): first the
+persistent memory of each (strategy, TP) pair, which decides the pruning; then one task per
+configuration and traced depth -- trace, then re-cost every pass variant on that depth's graphs,
+sending back numbers, not graphs; last, the 4-block traces of the configurations that have a row
+that fits. A round waits for the one before it; the tasks of a round run in any order and their
+results are put back in the search's order, so the rows are the same with any number of workers.
 
 [Note: ranking]
 Rows that fit with the margin (and are steady) come first, most tokens per second over the world
@@ -54,11 +65,9 @@ peak `flops_per_s`; named shapes only.
 
 from __future__ import annotations
 
-import concurrent.futures
 import copy
 import dataclasses
 import logging
-import multiprocessing
 import tempfile
 import time
 from collections.abc import Callable, Sequence
@@ -69,24 +78,26 @@ import torch
 from torch import nn
 
 import simplefsdp
-from simplefsdp._compat import init_fake_process_group
 from simplefsdp.inspect.choice import PASS_VARIANTS, Choice
 from simplefsdp.inspect.dryrun import (
     AC_POLICIES,
+    Costed,
     DryRunResult,
     Traced,
+    TraceSettings,
+    depths,
     estimate,
-    fake_world,
     full_depth_persistent,
     meshes,
     result_of,
-    trace,
+    trace_depth,
 )
-from simplefsdp.inspect.memory import check_optimizer
+from simplefsdp.inspect.memory import Persistent, check_optimizer, persistent_bytes
 from simplefsdp.inspect.record import StepGraphs
 from simplefsdp.inspect.report import Report, analyse, resolve_profile
 from simplefsdp.inspect.shapes import ModelShape, model_shape
 from simplefsdp.inspect.verdict import MemoryVerdict, memory_verdict
+from simplefsdp.inspect.workers import Workers
 from simplefsdp.passes import cost
 from simplefsdp.passes.fsdp_pass import FsdpPass
 from simplefsdp.strategy import ShardingStrategy
@@ -107,12 +118,12 @@ class Row:
     result: DryRunResult | None = None
     bound_bytes: int | None = None
     mfu: float | None = None
-    steady: bool = True  # see [Note: a steady state to extrapolate from]
+    steady: bool | None = True  # see [Note: a steady state to extrapolate from]; None: not checked
 
     @property
     def fits(self) -> bool:
         """Fits with the margin, by a prediction the advisor trusts (steady, see the notes)."""
-        return bool(self.verdict.fits) and self.steady
+        return bool(self.verdict.fits) and self.steady is True
 
     @property
     def pruned(self) -> bool:
@@ -129,7 +140,7 @@ class Advice:
     capacity_bytes: float
     margin: float
     rows: tuple[Row, ...]
-    traces: int  # configurations traced (each one or two compiles)
+    traces: int  # configurations traced (at one depth, or at two or three to extrapolate)
     recosts: int  # pass variants re-costed on traced graphs
     search_s: float
 
@@ -144,8 +155,9 @@ def recost(
     """`report`'s step as `graph_pass` would have compiled it: the pass run on copies of the recorded
     pre-pass graphs (None: no pass), analysed on `device`. See [Note: trace once, re-cost many]."""
     graphs = report.capture.graphs
-    forward, backward = copy.deepcopy(graphs.forward_pre), copy.deepcopy(graphs.backward_pre)
+    forward, backward = graphs.forward_pre, graphs.backward_pre  # read only, unless a pass runs on copies
     if graph_pass is not None:
+        forward, backward = copy.deepcopy(forward), copy.deepcopy(backward)
         graph_pass(forward)
         graph_pass(backward)
     post = StepGraphs(pre=[graphs.forward_pre, graphs.backward_pre], post=[forward, backward])
@@ -212,9 +224,9 @@ def advise(
     """Search the configurations of the module docstring for `model` at `world_size` ranks on
     `device` and rank them. `capacity_bytes` overrides the profile's memory; `margin` is the fits
     verdict's safety margin; `strategies` (default: FULL_SHARD and SHARD_GRAD_OP, and the HYBRID
-    pair with a `shard_size`) restricts the search; `jobs` > 1 traces that many configurations at
-    once in worker processes (named shapes; see [Note: worker processes]); `on_progress(label)` is
-    called as each configuration starts (one process) or finishes (workers)."""
+    pair with a `shard_size`) restricts the search; `jobs` > 1 runs that many tasks (a trace at one
+    depth and its re-costs) at once in worker processes (named shapes; see [Note: worker processes]
+    in `workers.py`); `on_progress(message)` is called as each task finishes."""
     if not isinstance(jobs, int) or jobs < 1:
         raise ValueError(f"jobs must be a positive integer, got {jobs!r}")
     profile = resolve_profile(device)
@@ -262,10 +274,8 @@ def advise(
             for strategy in searched
             for policy in ac
         ]
-        done = _run_all(work, jobs=jobs if isinstance(shape, ModelShape) else 1, on_progress=on_progress)
-    rows = [row for rows_of_job, _ in done for row in rows_of_job]
-    traces = sum(traced for _, traced in done)
-    recosts = sum(len(rows_of_job) for rows_of_job, traced in done if traced)
+        rows, traces = _search(work, jobs=jobs if isinstance(shape, ModelShape) else 1, on_progress=on_progress)
+    recosts = sum(not row.pruned for row in rows)
     advice = Advice(
         model=name,
         world_size=world_size,
@@ -309,31 +319,35 @@ class _Job:
         return f"{self.strategy.value}, AC {self.ac}, TP {self.tp}"
 
 
-def _run_job(job: _Job) -> tuple[list[Row], bool]:
-    """The rows of `job`'s pass variants and whether it was traced (False: pruned by the bound).
-    Runs inside a fake world of `job.world_size` ranks. Rows keep no graphs (`result.report` is None)."""
+def _persistent(job: _Job) -> Persistent:
+    """The full-depth model's persistent memory per rank as `job` shards it (a task; no trace)."""
     mesh, tp_mesh = meshes(strategy=job.strategy, world_size=job.world_size, shard_size=job.shard_size, tp=job.tp)
-    choices = [
+    return full_depth_persistent(
+        job.shape, mesh=mesh, tp_mesh=tp_mesh, strategy=job.strategy, mp_policy=job.mp_policy, optimizer=job.optimizer
+    )
+
+
+def _choices(job: _Job) -> list[Choice]:
+    return [
         Choice(strategy=job.strategy, ac=job.ac, tp=job.tp, plan=plan, prefetch_depth=depth, memory_budget=budget)
         for plan, depth, budget in PASS_VARIANTS
     ]
-    persistent = None
-    if isinstance(job.shape, ModelShape):
-        persistent = full_depth_persistent(
-            job.shape,
-            mesh=mesh,
-            tp_mesh=tp_mesh,
-            strategy=job.strategy,
-            mp_policy=job.mp_policy,
-            optimizer=job.optimizer,
-        )
-        held = persistent.params_bytes + persistent.optimizer_bytes
-        itemsize = (job.mp_policy.param_dtype or torch.float32).itemsize
-        bound = _lower_bound(held, params=job.params, strategy=job.strategy, ac=job.ac, tp=job.tp, itemsize=itemsize)
-        if bound > job.capacity:
-            return [_pruned(c, bound, job.profile, job.capacity, job.margin) for c in choices], False
-    traced = trace(
-        job.shape,
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class _Depth:
+    """One traced depth of a job: each pass variant's numbers, in `PASS_VARIANTS` order, and (a
+    factory's model, traced in full) the traced model's persistent memory."""
+
+    costed: tuple[Costed, ...]
+    persistent: Persistent | None
+
+
+def _trace_and_cost(job: _Job, n_layers: int | None) -> _Depth:
+    """Trace `job` at `n_layers` blocks with the pass off, then re-cost every pass variant on the
+    graphs (a task: see [Note: trace once, re-cost many]); graphs stay here."""
+    mesh, tp_mesh = meshes(strategy=job.strategy, world_size=job.world_size, shard_size=job.shard_size, tp=job.tp)
+    settings = TraceSettings(
         mesh=mesh,
         tp_mesh=tp_mesh,
         strategy=job.strategy,
@@ -344,53 +358,106 @@ def _run_job(job: _Job) -> tuple[list[Row], bool]:
         batch=job.batch,
         seq=job.seq,
         optimizer=job.optimizer,
-        max_traced_blocks=job.max_traced_blocks,
-        persistent=persistent,  # computed above: the full-depth model is built and wrapped once per job
-        depths=3,  # see [Note: a steady state to extrapolate from]
     )
+    report = trace_depth(job.shape, n_layers, settings=settings)
+    costed = []
+    for choice in _choices(job):
+        config = choice.passes(device=job.profile_ref)
+        graph_pass = None if config is None else make_pass(report.capture.model, config, mesh)
+        costed.append(Costed.of(recost(report, graph_pass, device=job.profile, optimizer=job.optimizer)))
+    persistent = None
+    if not isinstance(job.shape, ModelShape):  # a factory's model: as traced (named shapes: `_persistent`)
+        persistent = persistent_bytes(report.capture.model, optimizer=job.optimizer)
+    return _Depth(costed=tuple(costed), persistent=persistent)
+
+
+def _search(work: list[_Job], *, jobs: int, on_progress: Callable[[str], None] | None) -> tuple[list[Row], int]:
+    """The rows of every job in `work` and how many jobs were traced, in three rounds of tasks over
+    `Workers` (see [Note: the search's rounds])."""
+    first = work[0]
+    depths_all = depths(first.shape, max_traced_blocks=first.max_traced_blocks, count=3)
+    main = depths_all[1:] if len(depths_all) == 3 else depths_all  # extrapolate from the last two
+    with Workers(jobs=jobs, world_size=first.world_size, on_progress=on_progress) as workers:
+        held: dict[tuple, Persistent] = {}
+        if isinstance(first.shape, ModelShape):
+            keys = list(dict.fromkeys((job.strategy, job.tp) for job in work))
+            one_job = {(job.strategy, job.tp): job for job in reversed(work)}
+            found = workers.map(_persistent, [(one_job[k],) for k in keys], label=lambda j: f"sharded {j.label()}")
+            held = dict(zip(keys, found, strict=True))
+        pruned: dict[int, list[Row]] = {}
+        for i, job in enumerate(work):
+            persistent = held.get((job.strategy, job.tp))
+            if persistent is None:
+                continue
+            bound = _lower_bound(
+                persistent.params_bytes + persistent.optimizer_bytes,
+                params=job.params,
+                strategy=job.strategy,
+                ac=job.ac,
+                tp=job.tp,
+                itemsize=(job.mp_policy.param_dtype or torch.float32).itemsize,
+            )
+            if bound > job.capacity:
+                pruned[i] = [_pruned(c, bound, job.profile, job.capacity, job.margin) for c in _choices(job)]
+        live = [i for i in range(len(work)) if i not in pruned]
+
+        def traced_label(job: _Job, n: int | None) -> str:
+            return f"traced {job.label()}" + ("" if n is None else f" at {n} blocks")
+
+        calls = [(work[i], n) for i in live for n in main]
+        found = iter(workers.map(_trace_and_cost, calls, label=traced_label))
+        by_job = {i: [next(found) for _ in main] for i in live}
+        rows = {i: _rows(work[i], by_job[i], main, held, steady=None if len(main) == 2 else True) for i in live}
+        check = [i for i in live if len(main) == 2 and any(row.verdict.fits for row in rows[i])]
+        extra = workers.map(_trace_and_cost, [(work[i], depths_all[0]) for i in check], label=traced_label)
+        for i, earlier in zip(check, extra, strict=True):
+            rows[i] = _rows(work[i], [earlier, *by_job[i]], depths_all, held, steady=None)
+    ordered = [row for i in range(len(work)) for row in (pruned.get(i) or rows[i])]
+    return ordered, len(live)
+
+
+UNSTEADY = 0.1  # relative disagreement between the two extrapolations that marks a row unsteady
+
+
+def _steady(costed: Sequence[Costed], blocks: Sequence[int], n_layers: int) -> bool:
+    """Whether extrapolating from the first two of three traced depths agrees with the last two."""
+    early = estimate(costed[:2], blocks=blocks[:2], n_layers=n_layers)
+    late = estimate(costed[1:], blocks=blocks[1:], n_layers=n_layers)
+    pairs = ((early.step_s, late.step_s), (early.transient_bytes, late.transient_bytes))
+    return all(abs(a - b) <= UNSTEADY * max(abs(b), 1e-30) for a, b in pairs)
+
+
+def _rows(
+    job: _Job, traced: list[_Depth], blocks: Sequence[int | None], held: dict[tuple, Persistent], *, steady: bool | None
+) -> list[Row]:
+    """`job`'s rows from its traced depths (`blocks`); with three depths each row's steadiness is
+    checked, else it is `steady` (None: not checked, see [Note: the search's rounds])."""
+    n_layers = job.shape.n_layers if isinstance(job.shape, ModelShape) else None
+    persistent = held.get((job.strategy, job.tp)) or traced[-1].persistent
+    extrapolated = tuple(blocks[-2:]) if len(blocks) > 1 else (n_layers or 0,)
     rows = []
-    for choice in choices:
-        result, steady = _cost(choice, traced, mesh, job)
+    for v, choice in enumerate(_choices(job)):
+        costed = [depth.costed[v] for depth in traced]
+        state = _steady(costed, blocks, n_layers) if len(blocks) == 3 else steady
+        traced_rows = Traced(
+            costed=tuple(costed[-2:]), blocks=extrapolated, n_layers=n_layers, persistent=persistent, report=None
+        )
+        result = result_of(
+            traced_rows,
+            model=job.name,
+            world_size=job.world_size,
+            device=job.profile,
+            trace_s=0.0,
+            tp=choice.tp,
+            ac=choice.ac,
+            tokens=job.tokens,
+        )
         mfu = None
         if job.flops_per_token is not None and result.tokens_per_s:
             mfu = result.tokens_per_s * job.flops_per_token / (job.world_size * job.profile.flops_per_s)
         verdict = memory_verdict(result, margin=job.margin, capacity_bytes=job.capacity)
-        result = dataclasses.replace(result, report=None)  # graphs stay here: rows are small and picklable
-        rows.append(Row(choice=choice, verdict=verdict, result=result, mfu=mfu, steady=steady))
-    return rows, True
-
-
-def _start_worker(world_size: int) -> None:
-    init_fake_process_group(rank=0, world_size=world_size)
-
-
-def _run_all(work: list[_Job], *, jobs: int, on_progress: Callable[[str], None] | None) -> list[tuple[list[Row], bool]]:
-    """`_run_job` over `work`, in this process or in `jobs` worker processes; results in `work`'s order.
-
-    [Note: worker processes]
-    Tracing is single-threaded Python (Dynamo and AOTAutograd), so configurations trace in parallel
-    only in separate processes: each worker (spawned, so no state of this process leaks in) joins its
-    own fake world and runs whole jobs -- trace, then every pass variant -- and sends back rows
-    without graphs. A job's rows depend only on the job, so the answer is the same with any number
-    of workers (tested). A factory model may not survive pickling: it always runs here."""
-    if jobs == 1 or len(work) == 1:
-        done = []
-        with fake_world(work[0].world_size):
-            for job in work:
-                if on_progress is not None:
-                    on_progress(f"tracing {job.label()} ({len(done) + 1} of {len(work)})")
-                done.append(_run_job(job))
-        return done
-    context = multiprocessing.get_context("spawn")
-    with concurrent.futures.ProcessPoolExecutor(
-        max_workers=min(jobs, len(work)), mp_context=context, initializer=_start_worker, initargs=(work[0].world_size,)
-    ) as pool:
-        futures = [pool.submit(_run_job, job) for job in work]
-        for finished, future in enumerate(concurrent.futures.as_completed(futures), 1):
-            future.result()  # a failure surfaces now, with the worker's traceback
-            if on_progress is not None:
-                on_progress(f"traced {finished} of {len(work)} configurations")
-        return [future.result() for future in futures]
+        rows.append(Row(choice=choice, verdict=verdict, result=result, mfu=mfu, steady=state))
+    return rows
 
 
 def rank(rows: Sequence[Row]) -> tuple[Row, ...]:
@@ -414,38 +481,3 @@ def _pruned(choice: Choice, bound: int, profile: cost.DeviceProfile, capacity: f
         hint="its parameter shards, optimizer state and the weights it keeps gathered alone exceed the memory",
     )
     return Row(choice=choice, verdict=verdict, bound_bytes=bound)
-
-
-UNSTEADY = 0.1  # relative disagreement between the two extrapolations that marks a row unsteady
-
-
-def _steady(reports: tuple[Report, ...], traced: Traced) -> bool:
-    """Whether extrapolating from the first two traced depths agrees with the last two (one trace: yes)."""
-    if len(reports) < 3:
-        return True
-    early = estimate(reports[:2], blocks=traced.blocks[:2], n_layers=traced.n_layers)
-    late = estimate(reports[1:], blocks=traced.blocks[1:], n_layers=traced.n_layers)
-    pairs = ((early.step_s, late.step_s), (early.transient_bytes, late.transient_bytes))
-    return all(abs(a - b) <= UNSTEADY * max(abs(b), 1e-30) for a, b in pairs)
-
-
-def _cost(choice: Choice, traced: Traced, mesh, job: _Job) -> tuple[DryRunResult, bool]:
-    """The dry-run result of `choice` on `traced`'s graphs, re-costed (no compile), and whether its
-    extrapolation is steady."""
-    config = choice.passes(device=job.profile_ref)
-    reports = []
-    for report in traced.reports:
-        graph_pass = None if config is None else make_pass(report.capture.model, config, mesh)
-        reports.append(recost(report, graph_pass, device=job.profile, optimizer=job.optimizer))
-    result = result_of(
-        traced,
-        tuple(reports),
-        model=job.name,
-        world_size=job.world_size,
-        device=job.profile,
-        trace_s=0.0,
-        tp=choice.tp,
-        ac=choice.ac,
-        tokens=job.tokens,
-    )
-    return result, _steady(tuple(reports), traced)

@@ -60,7 +60,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--jobs",
         type=int,
         default=os.cpu_count() or 1,
-        help="--advise: configurations traced at once, in worker processes (default: one per CPU core)",
+        help="--advise: traces run at once, in worker processes (default: one per CPU core)",
     )
     parser.add_argument(
         "--advise",

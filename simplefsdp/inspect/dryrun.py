@@ -42,7 +42,7 @@ import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -52,7 +52,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 import simplefsdp
 from simplefsdp._compat import init_fake_process_group
-from simplefsdp.inspect.memory import GraphPeak, Persistent, check_optimizer, persistent_bytes
+from simplefsdp.inspect.memory import GraphPeak, MemoryEstimate, Persistent, check_optimizer, persistent_bytes
 from simplefsdp.inspect.report import Report, inspect_model, resolve_profile
 from simplefsdp.inspect.shapes import ModelShape, model_shape
 from simplefsdp.passes import cost
@@ -125,20 +125,35 @@ def _prepare(module: nn.Module, *, ac: str, tp_mesh: DeviceMesh | None) -> None:
         simplefsdp.checkpoint_blocks(module, policy=ac)
 
 
-def _phase(report: Report, phase: str) -> GraphPeak:
-    return report.memory.forward if phase == "forward" else report.memory.backward
+def _phase(costed: Costed, phase: str) -> GraphPeak:
+    return costed.memory.forward if phase == "forward" else costed.memory.backward
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Costed:
+    """What a result needs of one traced depth: its step's times and memory (no graphs: small and
+    picklable, so worker processes can send it back)."""
+
+    step_s: float
+    exposed_s: float
+    memory: MemoryEstimate
+
+    @classmethod
+    def of(cls, report: Report) -> Costed:
+        return cls(step_s=report.schedule.step_s, exposed_s=report.schedule.exposed_s, memory=report.memory)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Traced:
-    """One configuration's traced step: one report (traced in full, `blocks == (n_layers,)`) or one
-    per depth (`blocks == (k, k + 1, ...)`, extrapolated to `n_layers`), and the full-depth model's
-    persistent memory."""
+    """One configuration's costed step: one depth (traced in full, `blocks == (n_layers,)`) or one
+    per depth (`blocks == (k, k + 1, ...)`, extrapolated to `n_layers`), the full-depth model's
+    persistent memory, and the last depth's report (None where the graphs were not kept)."""
 
-    reports: tuple[Report, ...]
+    costed: tuple[Costed, ...]
     blocks: tuple[int, ...]
     n_layers: int | None  # blocks of the full model (None for a model given as a factory)
     persistent: Persistent
+    report: Report | None
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -155,77 +170,102 @@ def _linear(small: float, large: float, large_at: int, target: int) -> float:
     return large + (target - large_at) * (large - small)
 
 
-def estimate(reports: tuple[Report, ...], *, blocks: tuple[int, ...], n_layers: int | None) -> Estimate:
-    """Step time, exposed time and transient peak of `reports` (one: as traced; more, of `blocks`
+def estimate(costed: Sequence[Costed], *, blocks: Sequence[int], n_layers: int | None) -> Estimate:
+    """Step time, exposed time and transient peak of `costed` (one: as traced; more, of `blocks`
     `(k, k + 1, ...)`: extrapolated to `n_layers` blocks from the last two)."""
-    if len(reports) == 1:
-        (report,) = reports
-        phase = max(("backward", "forward"), key=lambda g: _phase(report, g).peak_bytes)
+    if len(costed) == 1:
+        (only,) = costed
+        phase = max(("backward", "forward"), key=lambda g: _phase(only, g).peak_bytes)
         return Estimate(
-            step_s=report.schedule.step_s,
-            exposed_s=report.schedule.exposed_s,
-            transient_bytes=report.memory.transient_bytes,
-            parts=dict(_phase(report, phase).at_peak),
+            step_s=only.step_s,
+            exposed_s=only.exposed_s,
+            transient_bytes=only.memory.transient_bytes,
+            parts=dict(_phase(only, phase).at_peak),
         )
-    small, large = reports[-2:]
+    small, large = costed[-2:]
 
-    def extrapolate(value: Callable[[Report], float]) -> float:
+    def extrapolate(value: Callable[[Costed], float]) -> float:
         return _linear(value(small), value(large), blocks[-1], n_layers)
 
     # each graph's peak on its own, then the larger: which graph peaks can change with depth
-    phase = max(("forward", "backward"), key=lambda g: extrapolate(lambda r: _phase(r, g).peak_bytes))
+    phase = max(("forward", "backward"), key=lambda g: extrapolate(lambda c: _phase(c, g).peak_bytes))
     kinds = sorted(set(_phase(small, phase).at_peak) | set(_phase(large, phase).at_peak))
     return Estimate(
-        step_s=extrapolate(lambda r: r.schedule.step_s),
-        exposed_s=extrapolate(lambda r: r.schedule.exposed_s),
-        transient_bytes=int(extrapolate(lambda r: _phase(r, phase).peak_bytes)),
-        parts={k: int(extrapolate(lambda r, k=k: _phase(r, phase).at_peak.get(k, 0))) for k in kinds},
+        step_s=extrapolate(lambda c: c.step_s),
+        exposed_s=extrapolate(lambda c: c.exposed_s),
+        transient_bytes=int(extrapolate(lambda c: _phase(c, phase).peak_bytes)),
+        parts={k: int(extrapolate(lambda c, k=k: _phase(c, phase).at_peak.get(k, 0))) for k in kinds},
     )
 
 
-def trace(
-    shape: ModelShape | Callable[[], tuple[nn.Module, Any]],
-    *,
-    mesh: DeviceMesh,
-    tp_mesh: DeviceMesh | None,
-    strategy: ShardingStrategy,
-    ac: str,
-    mp_policy: simplefsdp.MixedPrecisionPolicy,
-    passes: simplefsdp.PassConfig | None,
-    profile: cost.DeviceProfile,
-    batch: int | None = None,
-    seq: int | None = None,
-    optimizer: str = "adamw",
-    max_traced_blocks: int = 8,
-    code: bool = False,
-    depths: int = 2,
-    persistent: Persistent | None = None,
-) -> Traced:
-    """Trace one configuration on `mesh` (inside `fake_world`): in full, or at `depths` consecutive
-    block counts from k when a named shape is deeper than `max_traced_blocks` (then `persistent`,
-    the full-depth model's, when the caller has it already)."""
-
-    def one(n_layers: int | None) -> Report:
-        torch.compiler.reset()  # a fresh Dynamo cache: each trace is a new model of the same class
-        if isinstance(shape, ModelShape):
-            module, example = shape.build(n_layers=n_layers), shape.example_input(batch=batch, seq=seq)
-        else:
-            module, example = shape()
-        _prepare(module, ac=ac, tp_mesh=tp_mesh)
-        simplefsdp.wrap(module, mesh, strategy=strategy, mp_policy=mp_policy, passes=passes)
-        return inspect_model(module, example, device=profile, optimizer=optimizer, code=code)
-
+def depths(shape: ModelShape | Callable[[], tuple[nn.Module, Any]], *, max_traced_blocks: int, count: int) -> tuple:
+    """The block counts to trace: `(None,)` (a factory's model, in full), `(n_layers,)` (a named
+    shape no deeper than `max_traced_blocks`), else `count` consecutive ones from k (see the note)."""
     full_layers = shape.n_layers if isinstance(shape, ModelShape) else None
     if full_layers is None or full_layers <= max_traced_blocks:
-        report = one(full_layers)
-        persistent = persistent_bytes(report.capture.model, optimizer=optimizer)
-        return Traced(reports=(report,), blocks=(full_layers or 0,), n_layers=full_layers, persistent=persistent)
-    if persistent is None:
+        return (full_layers,)
+    return tuple(range(_TRACED, _TRACED + count))
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TraceSettings:
+    """How one configuration is traced: on which meshes, wrapped how, costed on which profile."""
+
+    mesh: DeviceMesh
+    tp_mesh: DeviceMesh | None
+    strategy: ShardingStrategy
+    ac: str
+    mp_policy: simplefsdp.MixedPrecisionPolicy
+    passes: simplefsdp.PassConfig | None
+    profile: cost.DeviceProfile
+    batch: int | None = None
+    seq: int | None = None
+    optimizer: str = "adamw"
+    code: bool = False
+
+
+def trace_depth(
+    shape: ModelShape | Callable[[], tuple[nn.Module, Any]], n_layers: int | None, *, settings: TraceSettings
+) -> Report:
+    """Trace and analyse one step of `shape` with `n_layers` blocks (a factory: its model as built)
+    as `settings` say (inside `fake_world`)."""
+    torch.compiler.reset()  # a fresh Dynamo cache: each trace is a new model of the same class
+    if isinstance(shape, ModelShape):
+        module, example = shape.build(n_layers=n_layers), shape.example_input(batch=settings.batch, seq=settings.seq)
+    else:
+        module, example = shape()
+    _prepare(module, ac=settings.ac, tp_mesh=settings.tp_mesh)
+    simplefsdp.wrap(
+        module, settings.mesh, strategy=settings.strategy, mp_policy=settings.mp_policy, passes=settings.passes
+    )
+    return inspect_model(module, example, device=settings.profile, optimizer=settings.optimizer, code=settings.code)
+
+
+def trace(
+    shape: ModelShape | Callable[[], tuple[nn.Module, Any]], *, settings: TraceSettings, max_traced_blocks: int = 8
+) -> Traced:
+    """Trace one configuration (inside `fake_world`): in full, or at two consecutive block counts
+    from k when a named shape is deeper than `max_traced_blocks`."""
+    blocks = depths(shape, max_traced_blocks=max_traced_blocks, count=2)
+    reports = [trace_depth(shape, n, settings=settings) for n in blocks]
+    if len(blocks) == 1:
+        persistent = persistent_bytes(reports[0].capture.model, optimizer=settings.optimizer)
+    else:
         persistent = full_depth_persistent(
-            shape, mesh=mesh, tp_mesh=tp_mesh, strategy=strategy, mp_policy=mp_policy, optimizer=optimizer
+            shape,
+            mesh=settings.mesh,
+            tp_mesh=settings.tp_mesh,
+            strategy=settings.strategy,
+            mp_policy=settings.mp_policy,
+            optimizer=settings.optimizer,
         )
-    blocks = tuple(range(_TRACED, _TRACED + depths))
-    return Traced(reports=tuple(one(n) for n in blocks), blocks=blocks, n_layers=full_layers, persistent=persistent)
+    return Traced(
+        costed=tuple(map(Costed.of, reports)),
+        blocks=tuple(n or 0 for n in blocks),
+        n_layers=shape.n_layers if isinstance(shape, ModelShape) else None,
+        persistent=persistent,
+        report=reports[-1],
+    )
 
 
 def full_depth_persistent(
@@ -303,7 +343,6 @@ class DryRunResult:
 
 def result_of(
     traced: Traced,
-    reports: tuple[Report, ...],
     *,
     model: str,
     world_size: int,
@@ -313,8 +352,8 @@ def result_of(
     ac: str,
     tokens: int | None,
 ) -> DryRunResult:
-    """The result of a step traced as `traced` and analysed as `reports` (its own, or re-costed ones)."""
-    numbers = estimate(reports, blocks=traced.blocks, n_layers=traced.n_layers)
+    """The result of a step traced and costed as `traced`."""
+    numbers = estimate(traced.costed, blocks=traced.blocks, n_layers=traced.n_layers)
     persistent = traced.persistent
     return DryRunResult(
         model=model,
@@ -327,7 +366,7 @@ def result_of(
         peak_bytes=persistent.params_bytes + persistent.optimizer_bytes + numbers.transient_bytes,
         persistent=persistent,
         transient_parts=numbers.parts,
-        report=reports[-1],
+        report=traced.report,
         trace_s=trace_s,
         tp=tp,
         ac=ac,
@@ -375,8 +414,7 @@ def dry_run(
     strategy = ShardingStrategy.parse(strategy)
     with fake_world(world_size):
         mesh, tp_mesh = meshes(strategy=strategy, world_size=world_size, shard_size=shard_size, tp=tp)
-        traced = trace(
-            shape,
+        settings = TraceSettings(
             mesh=mesh,
             tp_mesh=tp_mesh,
             strategy=strategy,
@@ -387,12 +425,11 @@ def dry_run(
             batch=batch,
             seq=seq,
             optimizer=optimizer,
-            max_traced_blocks=max_traced_blocks,
             code=code,
         )
+        traced = trace(shape, settings=settings, max_traced_blocks=max_traced_blocks)
     result = result_of(
         traced,
-        traced.reports,
         model=name,
         world_size=world_size,
         device=profile,

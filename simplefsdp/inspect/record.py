@@ -96,15 +96,16 @@ class StepGraphs:
 @contextlib.contextmanager
 def recording(graph_pass: CustomGraphPass | None = None) -> Iterator[StepGraphs]:
     """Compiles inside the block record their post-grad graphs before and after `graph_pass` (None:
-    no pass between the two records); see [Note: how graphs are recorded]."""
+    no pass, and one record serves as both: `pre` and `post` are the same graphs, to be read, not
+    changed); see [Note: how graphs are recorded]."""
     pre, post = GraphRecorder("simplefsdp-record-pre"), GraphRecorder("simplefsdp-record-post")
-    chain = [pre, *([graph_pass] if graph_pass is not None else []), post]
+    chain = [pre] if graph_pass is None else [pre, graph_pass, post]
     chain += list(configured_passes(inductor_config.post_grad_custom_post_pass))
     with (
         inductor_config.patch(post_grad_custom_post_pass=ChainedPass(chain), fx_graph_cache=False),
         functorch_config.patch(force_non_lazy_backward_lowering=True, enable_autograd_cache=False),
     ):
-        yield StepGraphs(pre=pre.graphs, post=post.graphs)
+        yield StepGraphs(pre=pre.graphs, post=pre.graphs if graph_pass is None else post.graphs)
 
 
 def record_step(

@@ -92,7 +92,7 @@ def test_the_ranking_does_not_depend_on_the_order_rows_are_costed_in(tiny_w8):
 
 @pytest.mark.slow
 def test_same_answer_twice_and_in_worker_processes(tiny_w8):
-    """A second search, its configurations traced in 2 worker processes ([Note: worker processes]),
+    """A second search, its configurations traced in 2 worker processes ([Note: worker processes] in workers.py),
     ranks the same configurations with the same numbers."""
     again = advise("tiny", world_size=8, device="h100", ac=AC, capacity_bytes=tiny_w8.capacity_bytes, jobs=2)
     assert _numbers(again) == _numbers(tiny_w8)
@@ -129,17 +129,36 @@ def test_deep_shapes_extrapolate_from_a_steady_state():
         strategies=("FULL_SHARD",),
         capacity_bytes=2**30,
         max_traced_blocks=2,
+        jobs=2,  # the three rounds of [Note: the search's rounds] over worker processes
     )
     assert advice.traces == 1
     default = next(r for r in advice.rows if r.choice.plan == "blocks" and r.choice.prefetch_depth == 1)
-    assert default.result.traced_blocks == (4, 5, 6)
+    assert default.result.traced_blocks == (5, 6), "extrapolated from 5 and 6 blocks (4: the check)"
     full = dry_run(shape, world_size=8, device="h100", ac="full", max_traced_blocks=16)
-    assert default.steady
+    assert default.steady is True
     assert default.result.step_s == pytest.approx(full.step_s, rel=0.01)
     # a peak is a maximum over time, not a sum: 1.7% under the full trace here, inside the margin
     assert default.result.peak_bytes == pytest.approx(full.peak_bytes, rel=0.02)
+    assert all(isinstance(row.steady, bool) for row in advice.rows), "a row fits: every row is checked"
     for row in advice.rows:
         assert row.fits == (row.steady and row.verdict.fits)
+
+    # where nothing fits by the (5, 6) extrapolation, no 4-block trace is made and nothing is checked;
+    # the numbers are those of the search above (in worker processes; this one runs here)
+    held = default.result.persistent.params_bytes + default.result.persistent.optimizer_bytes
+    cramped = advise(
+        shape,
+        world_size=8,
+        device="h100",
+        ac=("full",),
+        strategies=("FULL_SHARD",),
+        capacity_bytes=held + 1,  # above the bound (shards, optimizer state), below any traced peak
+        max_traced_blocks=2,
+    )
+    assert not any(row.pruned for row in cramped.rows), "the bound alone does not prune FULL_SHARD"
+    assert all(row.steady is None and not row.fits for row in cramped.rows)
+    again = next(r for r in cramped.rows if r.choice == default.choice)
+    assert (again.result.step_s, again.result.peak_bytes) == (default.result.step_s, default.result.peak_bytes)
 
 
 def test_choice_renders_the_flags_and_the_wrap_call():
