@@ -1,9 +1,9 @@
 """`torch.compile(model, backend="simplefsdp_aot_eager")`: aot_eager plus the post-grad custom pass.
 
 For debugging a wrapped model without inductor: the forward and backward graphs are partitioned
-as inductor would (min-cut, so resharding recomputes the gathers), then the pass configured in
-`torch._inductor.config.post_grad_custom_post_pass` -- a wrapped model's own pass while it is
-being compiled, chained with the user's, see `install.py` -- runs on them, and they execute
+as inductor would (min-cut, so resharding recomputes the gathers), then the post-grad passes
+inductor would run -- a wrapped model's own pass while it is being compiled, chained with the
+user's, see `install.installed` -- run on them, and they execute
 eagerly op by op. The graphs are not decomposed as inductor's are (casts stay `_to_copy`);
 simplefsdp's pass handles both forms.
 """
@@ -16,11 +16,10 @@ from torch import fx
 from simplefsdp._compat import (
     BoxedCodeGen,
     aot_autograd,
-    inductor_config,
     min_cut_rematerialization_partition,
     register_backend,
 )
-from simplefsdp.passes.install import ChainedPass, configured_passes
+from simplefsdp.passes.install import ChainedPass, installed
 
 __all__ = ["BACKEND_NAME", "backend"]
 
@@ -36,7 +35,7 @@ def _run_post_grad_pass(gm: fx.GraphModule, example_inputs):
     use, so a backward frees each saved activation as soon as it is consumed -- as inductor's code
     does, so a step's memory here is comparable to inductor's (with plain `make_boxed_func`, the
     caller's list would keep every input alive until the graph returns)."""
-    ChainedPass(configured_passes(inductor_config.post_grad_custom_post_pass))(gm.graph)
+    ChainedPass(installed())(gm.graph)
     gm.graph.lint()
     if BoxedCodeGen is None:
         gm.recompile()

@@ -79,6 +79,22 @@ from torch._dynamo.external_utils import get_nonrecursive_disable_wrapper as eag
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
+# Inductor's per-device backend graph passes: a dict device type -> `CustomGraphModulePass` | None
+# that inductor runs on each graph holding tensors of that device, after its post-grad passes and
+# the fake-tensor update that follows them (passes/install.py, [Note: where the pass runs]), with
+# `init_backend_registration` (registers the devices' backends, which would reset an entry).
+# torch._inductor.codegen.common.custom_backend_passes / init_backend_registration and
+# torch._inductor.custom_graph_pass.CustomGraphModulePass: checked on 2.13; added after the 2.11
+# review -- fallback where absent: None (the pass runs in `post_grad_custom_post_pass`, before the
+# update, as it used to).
+try:
+    from torch._inductor.codegen.common import custom_backend_passes as backend_graph_passes
+    from torch._inductor.codegen.common import init_backend_registration
+    from torch._inductor.custom_graph_pass import CustomGraphModulePass
+except ImportError:  # pragma: no cover - older torch
+    backend_graph_passes = init_backend_registration = None
+    CustomGraphModulePass = CustomGraphPass
+
 # The post-grad pass interface that also receives `is_inference` (a user's pass may implement it;
 # our chain forwards the flag). torch._inductor.custom_graph_pass: checked on 2.13; None where absent.
 try:
@@ -305,6 +321,7 @@ def use_rank_aware_cache_keys(mesh) -> None:
 __all__ = [
     "DCP_METADATA_GLOBALS",
     "BoxedCodeGen",
+    "CustomGraphModulePass",
     "CustomGraphPass",
     "CustomInferenceAwareGraphPass",
     "FakeTensorMode",
@@ -314,6 +331,7 @@ __all__ = [
     "TorchDispatchMode",
     "all_gather_single",
     "aot_autograd",
+    "backend_graph_passes",
     "c10d_functional",
     "chunk_cat",
     "compiled_in_place",
@@ -322,6 +340,7 @@ __all__ = [
     "foreach_copy_",
     "functorch_config",
     "inductor_config",
+    "init_backend_registration",
     "init_fake_process_group",
     "min_cut_rematerialization_partition",
     "module_fqn",

@@ -12,15 +12,14 @@ train command (`simplefsdp/train/loop.py`, for the communication line of `train/
 tests all use it.
 
 [Note: how graphs are recorded]
-Inductor, and the `simplefsdp_aot_eager` debugging backend, run the post-grad pass configured in
-`torch._inductor.config.post_grad_custom_post_pass` on the partitioned forward and backward
-graphs. Inside `recording(graph_pass)` that setting is the chain
-`[GraphRecorder (pre), graph_pass, GraphRecorder (post), passes configured before]`. A wrapped
-model's forward, which adds its own pass to the setting while it compiles (`passes/install.py`),
-finds its pass in the chain already when `graph_pass` is `pass_of(model)` and adds nothing. Compile
-caches are off inside the block, so every compile really happens and every pass really runs; the
-backward is lowered together with the forward, inside the block. Other backends (`"eager"`, plain
-`"aot_eager"`) run no post-grad pass: nothing is recorded.
+Inductor, and the `simplefsdp_aot_eager` debugging backend, run the post-grad passes installed
+with `passes/install.py`'s `running(...)` on the partitioned forward and backward graphs. Inside
+`recording(graph_pass)` the installed chain is `[GraphRecorder (pre), graph_pass, GraphRecorder
+(post), passes configured before]`. A wrapped model's forward, which installs its own pass while
+it compiles, finds its pass in the chain already when `graph_pass` is `pass_of(model)` and adds
+nothing. Compile caches are off inside the block, so every compile really happens and every pass
+really runs; the backward is lowered together with the forward, inside the block. Other backends
+(`"eager"`, plain `"aot_eager"`) run no post-grad pass: nothing is recorded.
 
 Invariant: no compiler setting outlives the block.
 """
@@ -37,7 +36,7 @@ from torch import fx, nn
 
 from simplefsdp._compat import CustomGraphPass, functorch_config, inductor_config, run_and_get_code
 from simplefsdp.class_swap import user_class
-from simplefsdp.passes.install import ChainedPass, configured_passes, pass_of
+from simplefsdp.passes.install import pass_of, running
 
 __all__ = ["GraphRecorder", "StepGraphs", "record_step", "recording"]
 
@@ -99,10 +98,9 @@ def recording(graph_pass: CustomGraphPass | None = None) -> Iterator[StepGraphs]
     no pass, and one record serves as both: `pre` and `post` are the same graphs, to be read, not
     changed); see [Note: how graphs are recorded]."""
     pre, post = GraphRecorder("simplefsdp-record-pre"), GraphRecorder("simplefsdp-record-post")
-    chain = [pre] if graph_pass is None else [pre, graph_pass, post]
-    chain += list(configured_passes(inductor_config.post_grad_custom_post_pass))
     with (
-        inductor_config.patch(post_grad_custom_post_pass=ChainedPass(chain), fx_graph_cache=False),
+        running([pre] if graph_pass is None else [pre, graph_pass, post]),
+        inductor_config.patch(fx_graph_cache=False),
         functorch_config.patch(force_non_lazy_backward_lowering=True, enable_autograd_cache=False),
     ):
         yield StepGraphs(pre=pre.graphs, post=pre.graphs if graph_pass is None else post.graphs)

@@ -6,11 +6,18 @@ import dataclasses
 import pathlib
 
 import pytest
+import torch
 from torch import fx
 
-from simplefsdp._compat import CustomGraphPass, CustomInferenceAwareGraphPass
+from simplefsdp._compat import (
+    CustomGraphModulePass,
+    CustomGraphPass,
+    CustomInferenceAwareGraphPass,
+    backend_graph_passes,
+    inductor_config,
+)
 from simplefsdp.passes.fsdp_pass import FsdpPass
-from simplefsdp.passes.install import ChainedPass, chained_with
+from simplefsdp.passes.install import ChainedPass, installed, running
 
 
 class _Named(CustomGraphPass):
@@ -18,6 +25,17 @@ class _Named(CustomGraphPass):
         self.name, self.log = name, log
 
     def __call__(self, graph: fx.Graph) -> None:
+        self.log.append(self.name)
+
+    def uuid(self) -> str:
+        return self.name
+
+
+class _Module(CustomGraphModulePass):
+    def __init__(self, name: str, log: list) -> None:
+        self.name, self.log = name, log
+
+    def __call__(self, gm: fx.GraphModule) -> None:
         self.log.append(self.name)
 
     def uuid(self) -> str:
@@ -37,27 +55,50 @@ class _Aware(CustomInferenceAwareGraphPass):
 
 def test_ours_runs_first_then_the_users():
     log, ours = [], FsdpPass()
-    chain = chained_with(ours, _Named("user", log))
-    assert isinstance(chain, ChainedPass)
-    assert chain.passes[0] is ours
-    chain(fx.Graph())
+    user = _Named("user", log)
+    with inductor_config.patch(post_grad_custom_post_pass=user):
+        assert installed() == (user,)
+        with running((ours,)):
+            assert installed() == (ours, user), "ours first, then the user's"
+            assert inductor_config.post_grad_custom_post_pass is None, "the user's moved into the chain"
+            with running((ours,)):
+                assert installed() == (ours, ours, user), "a nested block chains (active() checks first)"
+            assert installed() == (ours, user)
+            ChainedPass(installed())(fx.Graph())
+        assert installed() == (user,), "restored on exit"
     assert log == ["user"]
     assert ours.graphs == 1
-    assert chained_with(ours, None) is ours, "alone when the user set nothing"
-    assert chained_with(ours, chain) is chain, "not installed twice"
+
+
+@pytest.mark.skipif(backend_graph_passes is None, reason="this torch has no backend graph passes")
+def test_the_chain_runs_once_per_graph_after_the_fake_tensor_update():
+    """[Note: where the pass runs]: installed for every device type, run once on a graph that holds
+    tensors of several, and the entry it displaced still runs after it."""
+    log = []
+    with running((_Named("ours", log),)):
+        entries = [backend_graph_passes[d] for d in ("cpu", "cuda")]
+        displaced = _Module("displaced", log)
+        entries[1].then = displaced
+        gm = fx.GraphModule(torch.nn.Module(), fx.Graph())
+        for entry in entries:
+            entry(gm)
+        assert log == ["ours", "displaced"]
+        assert entries[0].uuid()
+        assert entries[0].uuid() != entries[1].uuid(), "the displaced entry is part of the key"
+    assert all(not isinstance(v, type(entries[0])) for v in backend_graph_passes.values()), "restored"
 
 
 def test_chain_cache_key():
     log, ours = [], FsdpPass()
-    keyed = chained_with(ours, _Named("user", log))
+    keyed = ChainedPass((ours, _Named("user", log)))
     assert keyed.uuid()
-    assert keyed.uuid() != chained_with(ours, _Named("other", log)).uuid()
-    assert chained_with(ours, lambda graph: None).uuid() is None, "a plain callable cannot key the cache"
+    assert keyed.uuid() != ChainedPass((ours, _Named("other", log))).uuid()
+    assert ChainedPass((ours, lambda graph: None)).uuid() is None, "a plain callable cannot key the cache"
 
 
 def test_inference_flag_reaches_aware_passes():
     log = []
-    chain = chained_with(FsdpPass(), [_Aware(log), _Named("plain", log)])
+    chain = ChainedPass((FsdpPass(), _Aware(log), _Named("plain", log)))
     chain(fx.Graph(), is_inference=True)
     assert log == [("aware", True), "plain"]
 
