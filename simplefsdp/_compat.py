@@ -87,6 +87,15 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 # torch._inductor.custom_graph_pass.CustomGraphModulePass: checked on 2.13; added after the 2.11
 # review -- fallback where absent: None (the pass runs in `post_grad_custom_post_pass`, before the
 # update, as it used to).
+# Inductor's re-run of fake-tensor propagation after its post-grad passes
+# (torch._inductor.fx_utils.FakeTensorUpdater.incremental_update, returns the nodes re-run): what
+# `bench/compile_time.py` counts. Checked on 2.13; added after the 2.11 review -- fallback where
+# absent: None (the bench prints no count).
+try:
+    from torch._inductor.fx_utils import FakeTensorUpdater
+except ImportError:  # pragma: no cover - older torch
+    FakeTensorUpdater = None
+
 try:
     from torch._inductor.codegen.common import custom_backend_passes as backend_graph_passes
     from torch._inductor.codegen.common import init_backend_registration
@@ -325,6 +334,7 @@ __all__ = [
     "CustomGraphPass",
     "CustomInferenceAwareGraphPass",
     "FakeTensorMode",
+    "FakeTensorUpdater",
     "OpOverload",
     "OpOverloadPacket",
     "StridedShard",
