@@ -27,7 +27,9 @@ torch's own FX bucketing, which runs at the same point. The pass's new nodes car
 computed as they are made, so nothing between the pass and that update reads stale metadata.
 Passes the user configured in `post_grad_custom_post_pass` move into the same chain, after ours,
 for the duration of the block (the slot itself is cleared meanwhile), so they still see the graph
-ours produced. Where torch has no backend passes, the chain goes in `post_grad_custom_post_pass`.
+ours produced -- except an inference-aware pass, which needs the `is_inference` flag only that slot
+passes: it stays, and runs before ours. Where torch has no backend passes, the chain goes in
+`post_grad_custom_post_pass`.
 
 Consequences:
 - unrelated compiles never see the pass: the slots are restored when the call returns;
@@ -147,26 +149,32 @@ class _AfterFakeUpdate(CustomGraphModulePass):
         return hashlib.sha256(repr(keys).encode()).hexdigest()
 
 
+def _backend_chain() -> tuple[object, ...]:
+    """The passes `running` has installed after the fake-tensor update (none outside its blocks)."""
+    entry = backend_graph_passes.get(_DEVICES[0]) if backend_graph_passes is not None else None
+    return entry.chain.passes if isinstance(entry, _AfterFakeUpdate) else ()
+
+
 def installed() -> tuple[object, ...]:
-    """The post-grad passes inductor would run on a graph compiled now, in order: the chain
-    installed by `running` (if any), then what `post_grad_custom_post_pass` holds."""
-    user = configured_passes(inductor_config.post_grad_custom_post_pass)
-    if backend_graph_passes is None:
-        return user
-    entry = backend_graph_passes.get(_DEVICES[0])
-    return (*(entry.chain.passes if isinstance(entry, _AfterFakeUpdate) else ()), *user)
+    """The post-grad passes inductor would run on a graph compiled now, in the order it runs them:
+    what `post_grad_custom_post_pass` holds, then the chain installed by `running` (if any)."""
+    return (*configured_passes(inductor_config.post_grad_custom_post_pass), *_backend_chain())
 
 
 @contextlib.contextmanager
 def running(passes: Sequence[object]) -> Iterator[None]:
     """Inside the block, inductor runs `passes`, then the passes configured until now, on every graph
     it compiles, after its fake-tensor update ([Note: where the pass runs]); the slots are restored
-    on exit. Nested blocks chain: the inner block's passes run first, then the outer's."""
-    chain = ChainedPass((*passes, *installed()))
+    on exit. Nested blocks chain: the inner block's passes run first, then the outer's. A configured
+    pass that takes inductor's `is_inference` flag stays in `post_grad_custom_post_pass` (the
+    backend slot does not get the flag), so it runs before ours."""
+    user = configured_passes(inductor_config.post_grad_custom_post_pass)
     if backend_graph_passes is None:
-        with inductor_config.patch(post_grad_custom_post_pass=chain):
+        with inductor_config.patch(post_grad_custom_post_pass=ChainedPass((*passes, *user))):
             yield
         return
+    stays = tuple(p for p in user if _takes_is_inference(p))
+    chain = ChainedPass((*passes, *_backend_chain(), *(p for p in user if not _takes_is_inference(p))))
     init_backend_registration()  # registering a device's backend later would reset its entry
     saved = dict(backend_graph_passes)
     try:
@@ -175,7 +183,7 @@ def running(passes: Sequence[object]) -> Iterator[None]:
             if isinstance(previous, _AfterFakeUpdate):  # an outer block's: its chain is in ours already
                 previous = previous.then
             backend_graph_passes[device] = _AfterFakeUpdate(chain, previous)
-        with inductor_config.patch(post_grad_custom_post_pass=None):
+        with inductor_config.patch(post_grad_custom_post_pass=ChainedPass(stays) if stays else None):
             yield
     finally:
         backend_graph_passes.clear()

@@ -70,6 +70,18 @@ def test_ours_runs_first_then_the_users():
     assert ours.graphs == 1
 
 
+@pytest.mark.skipif(
+    backend_graph_passes is None or CustomInferenceAwareGraphPass is None, reason="needs both pass kinds"
+)
+def test_an_inference_aware_pass_keeps_its_slot_and_its_flag():
+    log, ours = [], FsdpPass()
+    aware, user = _Aware(log), _Named("user", log)
+    with inductor_config.patch(post_grad_custom_post_pass=[aware, user]), running((ours,)):
+        assert installed() == (aware, ours, user), "inductor runs the slot first, then the chain"
+        inductor_config.post_grad_custom_post_pass(fx.Graph(), is_inference=True)
+    assert log == [("aware", True)]
+
+
 @pytest.mark.skipif(backend_graph_passes is None, reason="this torch has no backend graph passes")
 def test_the_chain_runs_once_per_graph_after_the_fake_tensor_update():
     """[Note: where the pass runs]: installed for every device type, run once on a graph that holds
