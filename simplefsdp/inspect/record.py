@@ -15,7 +15,8 @@ tests all use it.
 Inductor, and the `simplefsdp_aot_eager` debugging backend, run the post-grad passes installed
 with `passes/install.py`'s `running(...)` on the partitioned forward and backward graphs. Inside
 `recording(graph_pass)` the installed chain is `[GraphRecorder (pre), graph_pass, GraphRecorder
-(post), passes configured before]`. A wrapped model's forward, which installs its own pass while
+(post), passes configured before]` (an inference-aware pass configured before runs ahead of it,
+see `running`). A wrapped model's forward, which installs its own pass while
 it compiles, finds its pass in the chain already when `graph_pass` is `pass_of(model)` and adds
 nothing. Compile caches are off inside the block, so every compile really happens and every pass
 really runs; the backward is lowered together with the forward, inside the block. Other backends
