@@ -15,6 +15,14 @@ Spawned CPU ranks get `TORCHINDUCTOR_COMPILE_THREADS=1` and an equal share of th
 intra-op threads, unless the environment already sets the variable. Under torchrun the user's
 environment is left as it is.
 
+[Note: a rank that dies after finishing]
+A gloo rank has been seen to abort ("terminate called without an active exception", SIGABRT) once
+in about ten short calibration runs on a loaded 2-core host, after its work was done, while its
+process group was torn down. Every rank therefore reports that it finished before the teardown;
+when a rank dies and every rank had reported, the work is complete and rank 0's result is
+returned with a warning that names the rank and the signal. A rank that dies before reporting
+still fails the job.
+
 [Note: one rank speaks]
 Every rank runs the same code and meets the same warnings; N copies of each, interleaved through
 rank 0's progress bar, bury the one line that differs. So ranks other than 0 show errors only --
@@ -66,12 +74,23 @@ def _device(device_type: str, local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
-def _run(function: RankFunction, device_type: str, local_rank: int, **init: object) -> Any:
+def _run(
+    function: RankFunction,
+    device_type: str,
+    local_rank: int,
+    *,
+    finished: Callable[[Any], None] | None = None,
+    **init: object,
+) -> Any:
+    """`function(device)` inside a process group; `finished(result)` runs before the group is torn down."""
     device = _device(device_type, local_rank)
     init = {k: v for k, v in init.items() if v is not None}
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", **init)
     try:
-        return function(device)
+        result = function(device)
+        if finished is not None:
+            finished(result)
+        return result
     finally:
         dist.destroy_process_group()
 
@@ -102,14 +121,23 @@ def _spawned(
     _setup_logging(rank, loggers, verbose=verbose)
     if device_type == "cpu":
         torch.set_num_threads(max(1, (os.cpu_count() or world) // world))
+
+    reported = False
+
+    def finished(result: Any) -> None:  # every rank reports; only rank 0's result travels
+        nonlocal reported
+        results.put((rank, result if rank == 0 else None, None))
+        results.close()
+        results.join_thread()  # in the pipe before the teardown, which may kill this process
+        reported = True
+
     try:
         init = {"init_method": f"file://{init_file}", "rank": rank, "world_size": world, "timeout": timeout}
-        result = _run(function, device_type, rank, **init)
+        _run(function, device_type, rank, finished=finished, **init)
     except BaseException as err:
-        results.put((rank, err if isinstance(err, passthrough) else None, traceback.format_exc()))
+        if not reported:  # an error in the teardown itself travels as the process's exception
+            results.put((rank, err if isinstance(err, passthrough) else None, traceback.format_exc()))
         raise
-    if rank == 0:
-        results.put((rank, result, None))
 
 
 @contextlib.contextmanager
@@ -124,14 +152,14 @@ def _spawn_env(device_type: str) -> Iterator[None]:
             os.environ.pop(key, None)
 
 
-def _first_failure(results: mp.Queue) -> tuple[int, object, str] | None:
-    failures = []
+def _reports(results: mp.Queue) -> list[tuple[int, object, str | None]]:
+    """What the ranks put: `(rank, result or None, None)` when finished, `(rank, error or None,
+    traceback)` when failed."""
+    reports = []
     with contextlib.suppress(queue.Empty):
         while True:
-            rank, value, text = results.get(timeout=1.0)
-            if text is not None:
-                failures.append((rank, value, text))
-    return min(failures, key=lambda f: f[0]) if failures else None
+            reports.append(results.get(timeout=1.0))
+    return reports
 
 
 def spawn_world(nproc: int | None, device_type: str) -> int:
@@ -175,12 +203,29 @@ def run_on_ranks(
         try:
             mp.start_processes(_spawned, args=args, nprocs=world, start_method="spawn")
         except (mp.ProcessExitedException, mp.ProcessRaisedException) as err:
-            failure = _first_failure(results)
-            if failure is None:
-                raise RankFailedError(str(err)) from None
-            rank, passed, text = failure
-            if passed is not None:
-                raise passed from None
-            raise RankFailedError(f"rank {rank} failed:\n{text}") from None
-    _, result, _ = results.get(timeout=60)
-    return result
+            return _after_failure(err, _reports(results), world)
+    return _rank0_result([results.get(timeout=60) for _ in range(world)])
+
+
+def _rank0_result(reports: list[tuple[int, object, str | None]]) -> Any:
+    for rank, value, text in reports:
+        if rank == 0 and text is None:
+            return value
+    raise RankFailedError("rank 0 finished but its result did not arrive")
+
+
+def _after_failure(err: BaseException, reports: list[tuple[int, object, str | None]], world: int) -> Any:
+    """Raise the lowest failing rank's error -- or, when every rank had finished its work before one
+    died (a crash while tearing down its process group: [Note: a rank that dies after finishing]),
+    warn and return rank 0's result."""
+    failures = sorted((r for r in reports if r[2] is not None), key=lambda r: r[0])
+    if failures:
+        rank, passed, text = failures[0]
+        if passed is not None:
+            raise passed from None
+        raise RankFailedError(f"rank {rank} failed:\n{text}") from None
+    finished = {rank for rank, _, _ in reports}
+    if isinstance(err, mp.ProcessExitedException) and finished == set(range(world)):
+        logger.warning("%s after every rank had finished its work; the results are complete", err)
+        return _rank0_result(reports)
+    raise RankFailedError(str(err)) from None

@@ -26,9 +26,12 @@ shapes (least squares over them; two shapes: the exact solution), each term clam
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
-from simplefsdp.calibrate.timings import Measurements
 from simplefsdp.passes.cost import DeviceProfile
+
+if TYPE_CHECKING:  # timings.py uses the fit to decide when to time again
+    from simplefsdp.calibrate.timings import Measurements
 
 __all__ = ["fit_alpha_beta", "fit_optimizer", "fit_wake", "overlap_share", "profile_from"]
 
@@ -121,7 +124,10 @@ def profile_from(measured: Measurements, *, name: str) -> DeviceProfile:
     fits = {}
     for kind, points in measured.collectives.items():
         factor = 2.0 if kind == "all_reduce" else 1.0
-        fits[kind] = fit_alpha_beta([(factor * (world - 1) / world * size, t) for size, t in points])
+        try:
+            fits[kind] = fit_alpha_beta([(factor * (world - 1) / world * size, t) for size, t in points])
+        except ValueError as error:
+            raise ValueError(f"{kind}: {error}; was the machine busy? calibrate again on a quieter one") from None
     wake_s, wake_tau_s, drift = fit_wake(measured.wake)
     return DeviceProfile(
         name=name,

@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 
 from simplefsdp._compat import all_gather_single, c10d_functional, reduce_scatter_single
+from simplefsdp.calibrate.fit import fit_alpha_beta
 from simplefsdp.calibrate.high_water import high_water_bytes
 
 __all__ = ["Measurements", "measure"]
@@ -85,7 +86,7 @@ class _Plan:
 
 
 _QUICK = _Plan(
-    sizes=(16 * KIB, 256 * KIB, 4096 * KIB),
+    sizes=(16 * KIB, 256 * KIB, 4 * MIB, 16 * MIB),
     repeats=3,
     matmul_n=256,
     copy_bytes=16 * MIB,
@@ -130,6 +131,31 @@ def _collective(kind: str, full_bytes: int, device: torch.device) -> Callable[[]
     if kind == "reduce_scatter":
         return lambda: reduce_scatter_single(piece, full)
     return lambda: dist.all_reduce(full)
+
+
+# [Note: timing on a busy machine]
+# A collective's median over a few repeats can still be swamped by the scheduler: on a 2-core host
+# running other work, a 16 KiB all-gather has been seen to take 3.7 ms and a 4 MiB one 3.3 ms, and a
+# line through such points falls with the size, which no bandwidth explains. The sizes of one kind
+# are therefore timed together and agreed over the ranks, and timed again (up to `_ATTEMPTS` times
+# in all) while the fit through them has no positive slope. Every rank sees the same agreed times,
+# so every rank takes the same decision and the collectives stay matched. Times that still do not
+# grow are returned as measured: `profile_from` then refuses them with the fit's error, naming the
+# kind, rather than inventing a bandwidth.
+_ATTEMPTS = 3
+
+
+def _collective_times(kind: str, device: torch.device, plan: _Plan) -> list[tuple[int, float]]:
+    """`(full buffer bytes, seconds)` of `kind` over `plan.sizes`, agreed over the ranks."""
+    for _ in range(_ATTEMPTS):
+        times = [_median_s(_collective(kind, size, device), device, plan.repeats) for size in plan.sizes]
+        points = list(zip(plan.sizes, _agree(times, device), strict=True))
+        try:
+            fit_alpha_beta([(float(size), t) for size, t in points])  # the slope's sign does not depend on x's scale
+        except ValueError:
+            continue
+        return points
+    return points
 
 
 def _overlap(device: torch.device, plan: _Plan, repeats: int) -> tuple[float, float, float]:
@@ -283,21 +309,17 @@ def measure(*, device: torch.device, quick: bool = False) -> Measurements:
     dst = torch.empty_like(src)
     copy_s = _median_s(lambda: dst.copy_(src), device, plan.repeats)
     kinds = ("all_gather", "reduce_scatter", "all_reduce")
-    timings = {
-        kind: [_median_s(_collective(kind, size, device), device, plan.repeats) for size in plan.sizes]
-        for kind in kinds
-    }
+    collectives = {kind: _collective_times(kind, device, plan) for kind in kinds}
     overlap = _overlap(device, plan, plan.repeats)
     wake = _wake(device, plan)
     optimizers = _optimizers(device, plan)
     staging = _staging(device)
     steps = [s for name in optimizers for _, _, s in optimizers[name]]
-    flat = [matmul_s, copy_s, *overlap, *(t for kind in kinds for t in timings[kind])]
+    flat = [matmul_s, copy_s, *overlap]
     staged = [staging.get(kind, 0.0) for kind in kinds]
     agreed = _agree([*flat, *(v for point in wake for v in point), *steps, *staged], device)
     staged, agreed = agreed[-len(kinds) :], agreed[: -len(kinds)]
     matmul_s, copy_s, compute_s, comm_s, both_s = agreed[:5]
-    times = iter(agreed[5 : len(flat)])
     wake_values = iter(agreed[len(flat) : len(flat) + 2 * len(wake)])
     step_times = iter(agreed[len(flat) + 2 * len(wake) :])
     return Measurements(
@@ -309,7 +331,7 @@ def measure(*, device: torch.device, quick: bool = False) -> Measurements:
         matmul_s=matmul_s,
         copy_bytes=src.numel() * 4 * 2,
         copy_s=copy_s,
-        collectives={kind: [(size, next(times)) for size in plan.sizes] for kind in kinds},
+        collectives=collectives,
         overlap_compute_s=compute_s,
         overlap_comm_s=comm_s,
         overlap_both_s=both_s,

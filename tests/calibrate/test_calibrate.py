@@ -6,10 +6,12 @@ import json
 import math
 
 import pytest
+import torch
 
-from simplefsdp.calibrate import calibrate
-from simplefsdp.calibrate.fit import fit_alpha_beta, fit_optimizer, fit_wake, overlap_share
+from simplefsdp.calibrate import calibrate, timings
+from simplefsdp.calibrate.fit import fit_alpha_beta, fit_optimizer, fit_wake, overlap_share, profile_from
 from simplefsdp.passes import cost
+from tests._dist import RankPool
 
 
 def test_fit_recovers_latency_and_bandwidth():
@@ -95,3 +97,62 @@ def test_fit_optimizer_solves_per_tensor_and_per_element():
     assert fit_optimizer([(64, 4096, 1e-3), (4, 1 << 20, 1.0)])[0] == 0.0, "clamped, not negative"
     with pytest.raises(ValueError, match="at least two shapes"):
         fit_optimizer(points[:1])
+
+
+def _scripted_collective_times(series: list[list[float]]) -> tuple[list[tuple[int, float]], int]:
+    """`_collective_times` with this rank's medians scripted: `series[rank][i]` is the i-th timing."""
+    import torch.distributed as dist
+
+    scripted = iter(series[dist.get_rank()])
+    calls = 0
+
+    def median(fn, device, repeats):
+        nonlocal calls
+        calls += 1
+        return next(scripted)
+
+    plan = timings._Plan(sizes=(1, 2, 3), repeats=1, matmul_n=1, copy_bytes=1, overlap_bytes=1)
+    saved, timings._median_s = timings._median_s, median
+    try:
+        return timings._collective_times("all_gather", torch.device("cpu"), plan), calls
+    finally:
+        timings._median_s = saved
+
+
+def test_times_that_do_not_grow_are_taken_again_by_every_rank_alike():
+    """[Note: timing on a busy machine]: one rank's swamped timings make every rank time again."""
+    pool = RankPool(world_size=2)
+    try:
+        busy_then_quiet = [[5e-3, 4e-3, 1e-3, 1e-4, 2e-4, 3e-4], [1e-4, 2e-4, 3e-4, 1e-4, 2e-4, 3e-4]]
+        results = pool.run(_scripted_collective_times, busy_then_quiet)
+        assert results[0] == results[1], "the ranks agree on the points"
+        points, calls = results[0]
+        assert calls == 6, "the three sizes were timed twice"
+        assert points == [(1, 1e-4), (2, 2e-4), (3, 3e-4)], "the quiet attempt's times, agreed (the larger)"
+        always_busy = [[3e-3, 2e-3, 1e-3] * 3, [1e-4, 2e-4, 3e-4] * 3]
+        points, calls = pool.run(_scripted_collective_times, always_busy)[1]
+        assert calls == 3 * timings._ATTEMPTS, "gives up after the last attempt"
+        assert points == [(1, 3e-3), (2, 2e-3), (3, 1e-3)], "and returns what it measured"
+    finally:
+        pool.close()
+
+
+def test_a_profile_is_refused_when_a_kinds_times_do_not_grow():
+    growing = [(4096, 1e-4), (65536, 2e-4), (1 << 20, 1e-3)]
+    measured = timings.Measurements(
+        world_size=2,
+        backend="gloo",
+        device="cpu",
+        matmul_n=64,
+        matmul_dtype="float32",
+        matmul_s=1e-4,
+        copy_bytes=1 << 20,
+        copy_s=1e-4,
+        collectives={"all_gather": growing, "reduce_scatter": [(4096, 3e-3), (1 << 20, 1e-3)], "all_reduce": growing},
+        overlap_compute_s=1e-3,
+        overlap_comm_s=1e-3,
+        overlap_both_s=1.5e-3,
+        optimizers={"adamw": [(4, 16, 1e-4), (1, 1024, 2e-4)]},
+    )
+    with pytest.raises(ValueError, match=r"reduce_scatter: the times do not grow with the size.*busy"):
+        profile_from(measured, name="flat")
