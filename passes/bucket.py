@@ -42,6 +42,7 @@ from simplefsdp._compat import c10d_functional, resolve_process_group, stable_to
 from simplefsdp.kernels.copy_ops import (
     ALL_GATHER_COPY_IN,
     ALL_GATHER_COPY_OUT,
+    FAKE_IMPLS,
     REDUCE_SCATTER_COPY_IN,
     SUPPORTED_DTYPES,
 )
@@ -59,12 +60,13 @@ aten = torch.ops.aten
 
 
 def _call(graph: fx.Graph, target, *args, **kwargs) -> fx.Node:
-    """Add `target(*args, **kwargs)` and fill `meta["val"]` by running it on the arguments' fake values."""
+    """Add `target(*args, **kwargs)` and fill `meta["val"]` by running it on the arguments' fake values
+    (a copy op's registered fake function directly: [Note: the copy ops' output metadata, directly])."""
     node = graph.call_function(target, args, kwargs)
     vals, kwvals = fx.node.map_arg((args, kwargs), lambda n: n.meta["val"])
     fake_mode = next(v.fake_mode for v in tree_leaves(vals) if hasattr(v, "fake_mode"))
     with fake_mode:
-        node.meta["val"] = target(*vals, **kwvals)
+        node.meta["val"] = FAKE_IMPLS.get(target, target)(*vals, **kwvals)
     return node
 
 
@@ -191,11 +193,12 @@ def _contiguous(graph: fx.Graph, node: fx.Node) -> fx.Node:
 
 
 def _unpack(graph: fx.Graph, pieces: fx.Node, members: list[Collective]) -> list[fx.Node]:
-    """Each flat piece reshaped like the member's original result."""
-    return [
-        _call(graph, aten.reshape.default, _getitem(graph, pieces, i), _shape(member.wait))
-        for i, member in enumerate(members)
-    ]
+    """Each flat piece reshaped like the member's original result (a 1-D one is the piece itself)."""
+    out = []
+    for i, member in enumerate(members):
+        piece, shape = _getitem(graph, pieces, i), _shape(member.wait)
+        out.append(piece if _shape(piece) == shape else _call(graph, aten.reshape.default, piece, shape))
+    return out
 
 
 def _erase_dead(graph: fx.Graph, nodes: list[fx.Node]) -> None:

@@ -206,16 +206,17 @@ def find_collectives(
     kinds: Collection[CollectiveKind] | None = None,
     groups: Collection[tuple[int, ...]] | None = None,
 ) -> list[Collective]:
-    """The collective launches of `graph` (of `kinds`, on `groups`; all if None), in graph order."""
-    found = []
-    for node in graph.nodes:
-        kind = collective_kind(node)
-        if kind is None or (kinds is not None and kind not in kinds):
-            continue
-        collective = parse_collective(node)
-        if collective.in_groups(groups):
-            found.append(collective)
-    return found
+    """The collective launches of `graph` (of `kinds`, on `groups`; all if None), in graph order.
+    Looked up by target in the graph's node index, not by a walk over every node."""
+    targets = [
+        getattr(packet, overload)
+        for packet, kind in _KIND_OF_PACKET.items()
+        if kinds is None or kind in kinds
+        for overload in packet.overloads()
+    ]
+    nodes = sorted(n for target in targets for n in graph.find_nodes(op="call_function", target=target, sort=False))
+    found = [parse_collective(node) for node in nodes]
+    return [collective for collective in found if collective.in_groups(groups)]
 
 
 def collective_counts(graph: fx.Graph) -> Counter[str]:

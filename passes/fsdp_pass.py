@@ -181,8 +181,7 @@ class FsdpPass(CustomGraphPass):
             moved = result.moved
         self.merged += merged
         self.moved += moved
-        if merged or moved:
-            graph.lint()
+        if merged or moved:  # not linted here: inductor lints after its post-grad passes, aot_eager after ours
             logger.info("simplefsdp pass: merged away %d collectives, moved %d launches / waits", merged, moved)
 
     def uuid(self) -> str:

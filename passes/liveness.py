@@ -49,6 +49,7 @@ __all__ = [
     "GraphPeak",
     "graph_peak",
     "nbytes",
+    "not_alike",
     "peak_bytes",
     "sized_by_this_rank",
 ]
@@ -70,7 +71,10 @@ class GraphPeak:
 
 def nbytes(node: fx.Node) -> int:
     """Bytes of the tensors `node` produces, from its traced metadata."""
-    return sum(t.numel() * t.dtype.itemsize for t in tree_leaves(node.meta.get("val")) if isinstance(t, torch.Tensor))
+    val = node.meta.get("val")
+    if isinstance(val, torch.Tensor):  # most nodes: no tree walk
+        return val.numel() * val.dtype.itemsize
+    return sum(t.numel() * t.dtype.itemsize for t in tree_leaves(val) if isinstance(t, torch.Tensor))
 
 
 def _alias_of(node: fx.Node) -> fx.Node | None:
@@ -176,13 +180,19 @@ def graph_peak(
     return GraphPeak(peak_bytes=peak, at_peak=at_peak, max_comm_bytes=max_comm, end_bytes=end)
 
 
-def peak_bytes(graph: fx.Graph) -> int:
-    """Peak live bytes of what every rank holds alike: the walk without the graph's inputs and without
-    the nodes `sized_by_this_rank` -- except the bucket copy ops', whose buffers are padded to the same
-    size on every rank. What the pass checks its budget with: a decision on these bytes is the same on
-    every rank, where one on this rank's own sizes could differ near a tie (a hang)."""
+def peak_bytes(graph: fx.Graph, *, skip: Collection[fx.Node] | None = None) -> int:
+    """Peak live bytes of what every rank holds alike: the walk without the nodes `not_alike(graph)`.
+    What the pass checks its budget with: a decision on these bytes is the same on every rank, where
+    one on this rank's own sizes could differ near a tie (a hang). `skip`: `not_alike(graph)` computed
+    before, for a graph whose nodes have since only been moved (the set does not depend on the order)."""
+    return _walk(graph, not_alike(graph) if skip is None else skip, lambda node: ACTIVATIONS)[0]
+
+
+def not_alike(graph: fx.Graph) -> set[fx.Node]:
+    """The nodes `peak_bytes` does not count: the graph's inputs and the nodes `sized_by_this_rank`,
+    except the bucket copy ops', whose buffers are padded to the same size on every rank."""
     own = {node for node in sized_by_this_rank(graph) if not is_bucket_copy(node)}
-    return _walk(graph, own | set(graph.find_nodes(op="placeholder")), lambda node: ACTIVATIONS)[0]
+    return own | set(graph.find_nodes(op="placeholder"))
 
 
 def sized_by_this_rank(graph: fx.Graph) -> set[fx.Node]:
@@ -196,7 +206,7 @@ def sized_by_this_rank(graph: fx.Graph) -> set[fx.Node]:
         if node.op != "call_function":
             continue
         inputs = node.all_input_nodes
-        if is_data_movement(node) and inputs and all(i.op == "placeholder" or i in prep for i in inputs):
+        if inputs and all(i.op == "placeholder" or i in prep for i in inputs) and is_data_movement(node):
             prep.add(node)
         if any(i in scattered or (is_wait(i) and is_reduce_scatter(i.args[0])) for i in inputs):
             scattered.add(node)

@@ -53,7 +53,7 @@ from torch import fx
 from simplefsdp.kernels.copy_ops import ALL_GATHER_COPY_OUT
 from simplefsdp.passes.collectives import find_collectives, is_data_movement
 from simplefsdp.passes.detect import find_fsdp_reductions
-from simplefsdp.passes.liveness import peak_bytes
+from simplefsdp.passes.liveness import not_alike, peak_bytes
 from simplefsdp.passes.walk import upstream, walk
 
 __all__ = ["ReorderConfig", "ReorderResult", "reorder", "reorder_all_gathers", "reorder_reductions"]
@@ -191,12 +191,13 @@ def reorder(
         gather_budget, reduction_budget = config.prefetch_depth * max(gathered, default=0), max(reduced, default=0)
         allowance = gather_budget + reduction_budget
     order = list(graph.nodes)
-    before = peak_bytes(graph)
+    skip = not_alike(graph)  # moves keep the nodes: one set serves every walk below
+    before = peak_bytes(graph, skip=skip)
     for fraction in _RETRY_FRACTIONS:
         budgets = (int(gather_budget * fraction), int(reduction_budget * fraction))
         moved = reorder_all_gathers(graph, config=config, groups=groups, budget=budgets[0])
         moved += reorder_reductions(graph, config=config, groups=groups, budget=budgets[1])
-        after = peak_bytes(graph)
+        after = peak_bytes(graph, skip=skip)
         if after <= before + allowance:
             return ReorderResult(
                 moved=moved, peak_before=before, peak_after=after, allowance=allowance, budgets=budgets

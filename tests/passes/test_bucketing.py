@@ -255,6 +255,7 @@ def test_only_dim0_tail_pads_are_folded_into_the_copy_in(fake_world8):
         ag.meta["val"] = waits[-1].meta["val"] = gathered[name]
     g.output(tuple(waits))
     FsdpPass(PassConfig(bucket=BucketConfig(plan="cap", cap_bytes=2**30), reorder=None))(g)
+    g.lint()
     remaining = [n for n in g.nodes if n.target is aten.constant_pad_nd.default]
     assert remaining == [pads["cols"]], "the row pad is done by the copy-in, the column pad is not"
     (copy_in,) = [n for n in g.nodes if n.target is torch.ops.simplefsdp.all_gather_copy_in.default]
