@@ -18,7 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import simplefsdp.kernels  # noqa: F401  (registers torch.ops.simplefsdp.*)
-from simplefsdp._compat import chunk_cat
+from simplefsdp._compat import chunk_cat, tree_leaves
 from simplefsdp.kernels import reference
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -278,3 +278,30 @@ def test_triton_grid_stride_loop_covers_every_tile(triton_device, bucket, progra
     triton_copy.launch_bucket(plan, [gathered] * len(outs), outs)
     for o, e in zip(outs, reference.all_gather_copy_out(gathered.cpu(), chunks, shapes, world), strict=True):
         assert torch.equal(o.cpu(), e.reshape(-1))
+
+
+def test_fake_impls_match_what_the_dispatcher_returns():
+    """[Note: the copy ops' output metadata, directly]: the pass's shortcut gives the same metadata."""
+    from simplefsdp._compat import FakeTensorMode
+    from simplefsdp.kernels.copy_ops import (
+        ALL_GATHER_COPY_IN,
+        ALL_GATHER_COPY_OUT,
+        FAKE_IMPLS,
+        REDUCE_SCATTER_COPY_IN,
+    )
+
+    with FakeTensorMode() as mode:
+        shards = [mode.from_tensor(torch.zeros(3, 5)), mode.from_tensor(torch.zeros(7))]
+        gathered = mode.from_tensor(torch.zeros(4 * 23))
+        grads = [mode.from_tensor(torch.zeros(9, 5)), mode.from_tensor(torch.zeros(10))]
+        calls = [
+            (ALL_GATHER_COPY_IN, (shards, [15, 8], torch.bfloat16, 4, 1)),
+            (ALL_GATHER_COPY_OUT, (gathered, [15, 8], [12, 5, 30], [2, 1], 4)),
+            (REDUCE_SCATTER_COPY_IN, (grads, 4, torch.float32, 0.5)),
+        ]
+        for op, args in calls:
+            expected, got = op(*args), FAKE_IMPLS[op](*args)
+            for e, g in zip(tree_leaves(expected), tree_leaves(got), strict=True):
+                assert (g.shape, g.stride(), g.dtype, g.device) == (e.shape, e.stride(), e.dtype, e.device), op
+                assert isinstance(g, type(e)), op
+    assert set(FAKE_IMPLS) == {ALL_GATHER_COPY_IN, ALL_GATHER_COPY_OUT, REDUCE_SCATTER_COPY_IN}
