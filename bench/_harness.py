@@ -24,6 +24,7 @@ import torch.multiprocessing as mp
 from simplefsdp.calibrate.high_water import high_water_bytes
 from simplefsdp.inspect.live_bytes import state_bytes
 from simplefsdp.models import TransformerArgs
+from simplefsdp.ranks import died_after_finishing
 
 __all__ = [
     "TORCH_BUILTIN_OPTIONS",
@@ -132,8 +133,13 @@ def _rank(rank: int, world: int, store: str, backend: str, worker: Callable, arg
     dist.init_process_group(backend, init_method=f"file://{store}", rank=rank, world_size=world)
     try:
         worker(rank, args, results)
+        results[_finished(rank)] = True  # a manager's dict: stored before the teardown below
     finally:
         dist.destroy_process_group()
+
+
+def _finished(rank: int) -> str:
+    return f"_finished_rank{rank}"
 
 
 def spawn(worker: Callable[[int, Any, dict], None], args: Any, *, world: int = 2, backend: str = "gloo") -> dict:
@@ -144,5 +150,10 @@ def spawn(worker: Callable[[int, Any, dict], None], args: Any, *, world: int = 2
     with mp.Manager() as manager, tempfile.TemporaryDirectory(prefix="simplefsdp-bench-") as tmp:
         results = manager.dict()
         store = os.path.join(tmp, "store")
-        mp.spawn(_rank, args=(world, store, backend, worker, args, results), nprocs=world, join=True)
-        return dict(results)
+        try:
+            mp.spawn(_rank, args=(world, store, backend, worker, args, results), nprocs=world, join=True)
+        except mp.ProcessExitedException as err:  # see `simplefsdp.ranks.died_after_finishing`
+            finished = [rank for rank in range(world) if results.get(_finished(rank))]
+            if not died_after_finishing(err, finished=finished, world=world):
+                raise
+        return {key: value for key, value in results.items() if not str(key).startswith("_finished_rank")}
