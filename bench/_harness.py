@@ -138,8 +138,11 @@ def _rank(rank: int, world: int, store: str, backend: str, worker: Callable, arg
         dist.destroy_process_group()
 
 
+_FINISHED = "_finished_rank"  # + the rank: a key of the results, dropped before they are returned
+
+
 def _finished(rank: int) -> str:
-    return f"_finished_rank{rank}"
+    return f"{_FINISHED}{rank}"
 
 
 def spawn(worker: Callable[[int, Any, dict], None], args: Any, *, world: int = 2, backend: str = "gloo") -> dict:
@@ -156,4 +159,4 @@ def spawn(worker: Callable[[int, Any, dict], None], args: Any, *, world: int = 2
             finished = [rank for rank in range(world) if results.get(_finished(rank))]
             if not died_after_finishing(err, finished=finished, world=world):
                 raise
-        return {key: value for key, value in results.items() if not str(key).startswith("_finished_rank")}
+        return {key: value for key, value in results.items() if not str(key).startswith(_FINISHED)}
