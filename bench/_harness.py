@@ -109,9 +109,11 @@ _M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
 
 
 def release_freed_memory(device: torch.device) -> None:
-    """On the CPU, make glibc return blocks of 64 KiB and more to the kernel when freed, so the
-    resident high-water mark `transient_peak` reads counts what a step allocates. Call it after
-    the timing: it changes how fast allocation is."""
+    """On the CPU, make glibc map blocks of 64 KiB and more on their own and unmap them when freed,
+    so the resident high-water mark `transient_peak` reads follows what a step allocates more
+    closely -- not exactly: a large block carved from the free top of a heap stays resident once
+    freed (see [Note: resident is not allocated] in `simplefsdp/calibrate/high_water.py`). Call it
+    after the timing: it changes how fast allocation is."""
     if device.type == "cpu":
         ctypes.CDLL("libc.so.6").mallopt(_M_MMAP_THRESHOLD, 64 * 1024)
 

@@ -117,6 +117,11 @@ def _mib(nbytes: float) -> str:
     return f"{nbytes / 2**20:.1f} MiB"
 
 
+def _resident(row: dict) -> str:
+    resident = row.get("resident_peak_bytes")  # CPU runs only (see scoreboard.py's [Note: peak memory])
+    return "-" if resident is None else _mib(resident)
+
+
 def _predicted(row: dict) -> str:
     if row.get("predicted_step_s") is None:
         return "- | -"
@@ -129,15 +134,16 @@ def markdown(document: dict[str, Any]) -> str:
     lines = [
         f"{document['setup']['summary']} ({document['setup']['date']})",
         "",
-        "| configuration | step time (median) | tokens/s | vs FSDP2 eager | peak memory / rank | compile "
-        "| collectives / step | predicted step | predicted peak |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| configuration | step time (median) | tokens/s | vs FSDP2 eager | peak memory / rank | resident peak "
+        "| compile | collectives / step | predicted step | predicted peak |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in rows.values():
         compile_s = f"{row['compile_s']:.1f} s" if row["compile_s"] else "-"
         lines.append(
             f"| {row['label']} | {row['step_time_s'] * 1e3:.1f} ms | {row['tokens_per_s']:,.0f} | "
-            f"{row['tokens_per_s'] / base['tokens_per_s']:.2f}x | {_mib(row['peak_memory_bytes'])} | {compile_s} | "
+            f"{row['tokens_per_s'] / base['tokens_per_s']:.2f}x | {_mib(row['peak_memory_bytes'])} | "
+            f"{_resident(row)} | {compile_s} | "
             f"{row['collectives_per_step']} | {_predicted(row)} |"
         )
     if document["targets"]:

@@ -9,19 +9,18 @@ For each world size (2 and 4 ranks):
 2. each configuration -- FULL_SHARD, with activation checkpointing (full), SHARD_GRAD_OP, without
    passes -- is built (a Llama-style model, fp32, AdamW), compiled with inductor, warmed up, and its
    median step (forward + backward + optimizer step, behind a barrier) timed; then its peak memory
-   per rank is measured twice, the largest over the ranks: as the scoreboard does (the resident
-   high-water mark over one step, `_harness.transient_peak`, plus this rank's parameter and optimizer
-   state), and as tensor bytes -- what a GPU's allocator counts and the prediction models: the same
-   configuration compiled with the op-by-op backend (`simplefsdp_aot_eager`, whose graphs free each
-   value at its last use, as inductor's code does), its forward + backward under `LiveTensorBytes`,
-   plus the same state;
-3. in this (parent) process, `dry_run` predicts the same configuration with the measured profile,
-   and once more without its staging factors for the tensor comparison (gloo's staging copies,
-   like NCCL's buffers on a GPU, are not torch tensors).
+   per rank is measured over one more step each way, the largest over the ranks, plus this rank's
+   parameter and optimizer state: as tensor bytes (torch's allocator,
+   `simplefsdp.calibrate.high_water.tensor_high_water_bytes`: what a GPU's allocator counts, gloo's
+   staging tensors included) and as resident bytes (the kernel's high-water mark,
+   `_harness.transient_peak`);
+3. in this (parent) process, `dry_run` predicts the same configuration with the measured profile.
 
 The table gives measured, predicted and the error for each. The targets the planner is held to:
-step within +-15%, peak within +-10%. On the CPU the resident peak also holds what the process keeps
-beyond tensors (allocator pages, gloo's buffers and threads), which no tensor-level model sees.
+step within +-15%, tensor peak within +-10%. The resident peak is shown against the same prediction
+but is not a target: it also holds freed memory glibc keeps in its heaps (35-52 MiB after one
+simplefsdp step, see [Note: resident is not allocated] in `simplefsdp/calibrate/high_water.py`) and
+gloo's own scratch, which no tensor-level model sees.
 """
 
 from __future__ import annotations
@@ -40,15 +39,14 @@ from _harness import release_freed_memory, spawn, state_bytes, transient_peak
 
 import simplefsdp
 from simplefsdp.calibrate import measure, profile_from
+from simplefsdp.calibrate.high_water import tensor_high_water_bytes
 from simplefsdp.inspect import dry_run
-from simplefsdp.inspect.live_bytes import LiveTensorBytes
 from simplefsdp.inspect.shapes import ModelShape
 from simplefsdp.models import Transformer, TransformerArgs
-from simplefsdp.passes.aot_eager import BACKEND_NAME
 
 MODEL = TransformerArgs(vocab_size=1024, dim=256, n_layers=4, n_heads=8, ffn_dim=688, max_seq_len=64)
 BATCH, SEQ = 2, 64
-TOLERANCE = {"step": 0.15, "peak": 0.10, "tensor": 0.10}
+TOLERANCE = {"step": 0.15, "tensor": 0.10}  # |predicted / measured - 1| at most (the resident peak: none)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,28 +68,25 @@ CONFIGS = (
 )
 
 
-def _build(index: int, config: Config, *, backend: str = "inductor"):
+def _build(index: int, config: Config):
     torch.manual_seed(0)
     # a class per configuration: Dynamo would otherwise reuse one configuration's graphs for another
-    model = type(f"Transformer_{index}_{backend}", (Transformer,), {})(MODEL)
+    model = type(f"Transformer_{index}", (Transformer,), {})(MODEL)
     if config.ac != "none":
         simplefsdp.checkpoint_blocks(model, policy=config.ac)
     simplefsdp.wrap(model, strategy=config.strategy, passes=simplefsdp.PassConfig() if config.passes else None)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    compiled = torch.compile(model, backend=backend)
+    compiled = torch.compile(model)
     gen = torch.Generator().manual_seed(1 + dist.get_rank())
     tokens = torch.randint(0, MODEL.vocab_size, (BATCH, SEQ + 1), generator=gen)
 
-    def forward_backward() -> None:
+    def step() -> None:
         logits = compiled(tokens[:, :-1])
         F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()).backward()
-
-    def step() -> None:
-        forward_backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-    return model, optimizer, step, forward_backward
+    return model, optimizer, step
 
 
 def _worker(rank: int, job: tuple[list[tuple[int, Config]], int], results: dict) -> None:
@@ -100,7 +95,7 @@ def _worker(rank: int, job: tuple[list[tuple[int, Config]], int], results: dict)
     calibration = measure(device=device)
     built = {index: _build(index, config) for index, config in configs}
     times = {}
-    for index, (_, _, step, _) in built.items():
+    for index, (_, _, step) in built.items():
         for _ in range(3):  # compile + warm up
             step()
         samples = []
@@ -111,89 +106,76 @@ def _worker(rank: int, job: tuple[list[tuple[int, Config]], int], results: dict)
             samples.append(time.perf_counter() - start)
         times[index] = statistics.median(samples)
     release_freed_memory(device)  # after the timing: see `_harness.release_freed_memory`
-    peaks = {}
-    for index, (model, optimizer, step, _) in built.items():
+    measured = {}
+    for index, (model, optimizer, step) in built.items():
         step()  # settle allocations under the new malloc settings
         dist.barrier()
-        peaks[index] = state_bytes(model, optimizer) + transient_peak(step, device)
-    tensors = {}
-    for index, config in configs:  # the op-by-op backend: every buffer is a dispatched op's output
-        model, optimizer, step, forward_backward = _build(index, config, backend=BACKEND_NAME)
-        step()  # compile; creates the optimizer state
-        with LiveTensorBytes() as live:
-            forward_backward()
-        tensors[index] = state_bytes(model, optimizer) + live.peak_bytes
-    measured = {i: (peaks[i], tensors[i]) for i in times}
+        tensors = tensor_high_water_bytes(step, device)
+        dist.barrier()
+        resident = transient_peak(step, device)
+        measured[index] = (state_bytes(model, optimizer) + tensors, state_bytes(model, optimizer) + resident)
     per_rank = [None] * dist.get_world_size()
     dist.all_gather_object(per_rank, measured)
     if rank == 0:
         results["calibration"] = calibration
         results["measured"] = {
             i: (times[i], max(m[i][0] for m in per_rank), max(m[i][1] for m in per_rank)) for i in times
-        }
+        }  # index -> (median step, tensor peak, resident peak)
 
 
-def _predict(config: Config, profile) -> tuple[float, int, int]:
-    """(step, peak, peak without the communication library's staging) as the dry run predicts them:
-    the staging buffers (measured by calibrate) live outside torch's tensors, so the tensor
-    measurement is compared with the prediction without them."""
+def _predict(config: Config, profile) -> tuple[float, int]:
+    """(step, peak) as the dry run predicts them with the measured profile (its staging factors
+    stand for gloo's staging tensors, which the tensor measurement counts)."""
     shape = ModelShape(name=config.name, args=MODEL, batch=BATCH, seq=SEQ)
-
-    def predict(device):
-        return dry_run(
-            shape,
-            world_size=config.world,
-            device=device,
-            strategy=config.strategy,
-            mp_policy=simplefsdp.MixedPrecisionPolicy(),
-            passes=simplefsdp.PassConfig() if config.passes else None,
-            optimizer="adamw",
-            ac=config.ac,
-        )
-
-    result = predict(profile)
-    tensors_only = predict(dataclasses.replace(profile, staging=()))
-    return result.step_s, result.peak_bytes, tensors_only.peak_bytes
+    result = dry_run(
+        shape,
+        world_size=config.world,
+        device=profile,
+        strategy=config.strategy,
+        mp_policy=simplefsdp.MixedPrecisionPolicy(),
+        passes=simplefsdp.PassConfig() if config.passes else None,
+        optimizer="adamw",
+        ac=config.ac,
+    )
+    return result.step_s, result.peak_bytes
 
 
-def _row(config: Config, measured: tuple[float, int, int], predicted: tuple[float, int, int]) -> dict:
-    (step, peak, tensors), (p_step, p_peak, p_tensors) = measured, predicted
+def _row(config: Config, measured: tuple[float, int, int], predicted: tuple[float, int]) -> dict:
+    (step, tensors, resident), (p_step, p_peak) = measured, predicted
     return {
         "configuration": config.name,
         "ranks": config.world,
         "measured_step_s": step,
         "predicted_step_s": p_step,
         "step_error": p_step / step - 1,
-        "measured_peak_bytes": peak,
         "predicted_peak_bytes": p_peak,
-        "peak_error": p_peak / peak - 1,
         "measured_tensor_peak_bytes": tensors,
-        "predicted_tensor_peak_bytes": p_tensors,
-        "tensor_error": p_tensors / tensors - 1,
+        "tensor_error": p_peak / tensors - 1,
+        "measured_resident_peak_bytes": resident,
+        "resident_error": p_peak / resident - 1,
     }
 
 
 def _markdown(rows: list[dict]) -> str:
     lines = [
-        "| configuration | ranks | step measured | predicted | error | resident peak | predicted | error "
-        "| tensor peak | predicted | error |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| configuration | ranks | step measured | predicted | error | tensor peak | predicted peak | error "
+        "| resident peak | error |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     mib = 2**20
     for r in rows:
         lines.append(
             f"| {r['configuration']} | {r['ranks']} | {r['measured_step_s'] * 1e3:.1f} ms | "
             f"{r['predicted_step_s'] * 1e3:.1f} ms | {100 * r['step_error']:+.0f}% | "
-            f"{r['measured_peak_bytes'] / mib:.1f} MiB | {r['predicted_peak_bytes'] / mib:.1f} MiB | "
-            f"{100 * r['peak_error']:+.0f}% | {r['measured_tensor_peak_bytes'] / mib:.1f} MiB | "
-            f"{r['predicted_tensor_peak_bytes'] / mib:.1f} MiB | {100 * r['tensor_error']:+.0f}% |"
+            f"{r['measured_tensor_peak_bytes'] / mib:.1f} MiB | {r['predicted_peak_bytes'] / mib:.1f} MiB | "
+            f"{100 * r['tensor_error']:+.0f}% | {r['measured_resident_peak_bytes'] / mib:.1f} MiB | "
+            f"{100 * r['resident_error']:+.0f}% |"
         )
     within = {what: sum(abs(r[f"{what}_error"]) <= bound for r in rows) for what, bound in TOLERANCE.items()}
     lines.append("")
     lines.append(
         f"within +-{TOLERANCE['step']:.0%} (step): {within['step']} of {len(rows)}; "
-        f"within +-{TOLERANCE['peak']:.0%} (peak vs resident): {within['peak']} of {len(rows)}; "
-        f"within +-{TOLERANCE['tensor']:.0%} (peak vs tensors): {within['tensor']} of {len(rows)}"
+        f"within +-{TOLERANCE['tensor']:.0%} (peak vs tensor peak): {within['tensor']} of {len(rows)}"
     )
     return "\n".join(lines) + "\n"
 

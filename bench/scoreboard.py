@@ -30,21 +30,24 @@ Measurements, per row:
 - compile time: first step minus the median step, compile caches off (eager rows: 0);
 - collectives / step: the process group's own collective calls recorded by `torch.profiler` in one
   step (events named `gloo:*` / `nccl:*`): the same counter for eager hooks and compiled code;
-- peak memory per rank: see [Note: peak memory]; the table shows the largest over the ranks;
-- predicted step time and peak memory (simplefsdp's compiled rows with its own passes or none):
-  `simplefsdp.inspect.dry_run` of the same configuration with the profile, in the parent process.
-
-[Note: peak memory]
+- peak memory per rank: see [Note: peak memory]
 All rows live in one process (so their steps can be interleaved), so a process-wide high-water mark
 cannot tell them apart. Peak = the row's resident state (bytes of this rank's parameters and
 optimizer state, exact, plus DDP's gradient buckets, as many bytes as the parameters) + the step's
-transient peak, measured in one extra step after the timing: on CUDA `torch.cuda.max_memory_allocated`
-above `memory_allocated` before the step; on the CPU the kernel's resident high-water mark (VmHWM,
-reset through /proc/self/clear_refs just before the step) above the resident size before it. For
-the CPU number to count what a step allocates, glibc returns freed blocks to the kernel in this
-phase only: `mallopt(M_MMAP_THRESHOLD, 64 KiB)` (tensors of 64 KiB and more are mmapped and unmapped
-when freed) and `malloc_trim(0)` before each measured step. The timing runs first, under glibc's
-defaults.
+transient peak, measured in extra steps after the timing, two ways:
+- tensor bytes (the "peak memory / rank" column, the targets, the picture): torch's allocator -- on
+  CUDA `torch.cuda.max_memory_allocated` above `memory_allocated` before the step, on the CPU the
+  allocation and free events `torch.profiler` records (`tensor_high_water_bytes`), which count
+  inductor's buffers and gloo's staging tensors but not gloo's own scratch (a few MiB per
+  all-reduce, outside torch's allocator);
+- resident bytes (the "resident peak" column; CPU only): the kernel's resident high-water mark
+  (VmHWM, reset through /proc/self/clear_refs just before the step) above the resident size before
+  it, with glibc returning freed blocks of 64 KiB and more (`mallopt(M_MMAP_THRESHOLD, 64 KiB)`,
+  `malloc_trim(0)` before the step). It still counts freed memory glibc keeps inside its heaps
+  (see [Note: resident is not allocated] in `simplefsdp/calibrate/high_water.py`): 35-52 MiB stayed
+  resident after a simplefsdp step freed every tensor, so it moves with the allocation history of
+  the rows measured before, and is shown, not held to a target.
+The timing runs first, under glibc's defaults.
 """
 
 from __future__ import annotations
@@ -80,6 +83,7 @@ from torch.nn.parallel import DistributedDataParallel
 import simplefsdp
 from simplefsdp._compat import functorch_config, inductor_config
 from simplefsdp.calibrate import measure, profile_from
+from simplefsdp.calibrate.high_water import tensor_high_water_bytes
 from simplefsdp.inspect import dry_run
 from simplefsdp.inspect.shapes import ModelShape
 from simplefsdp.models import Transformer
@@ -217,13 +221,17 @@ def _count_collectives(step: Callable[[], None]) -> int:
     return sum(n for name, n in names.items() if name.startswith(f"{backend}:"))
 
 
-def _memory(rows: dict[str, Row], device: torch.device) -> dict[str, int]:
+def _memory(rows: dict[str, Row], device: torch.device) -> dict[str, tuple[int, int]]:
+    """Row -> (tensor peak, resident peak) of this rank (see [Note: peak memory])."""
     release_freed_memory(device)
     peaks = {}
     for name, row in rows.items():
         row.step()  # settle allocations under the new malloc settings
         dist.barrier()
-        peaks[name] = row.state_bytes() + transient_peak(row.step, device)
+        tensors = tensor_high_water_bytes(row.step, device)
+        dist.barrier()
+        resident = transient_peak(row.step, device)
+        peaks[name] = (row.state_bytes() + tensors, row.state_bytes() + resident)
     return peaks
 
 
@@ -263,8 +271,10 @@ def _worker(rank: int, args: argparse.Namespace, results: dict) -> None:
                 "step_time_s": median,
                 "step_times_s": times[name],
                 "tokens_per_s": tokens / median,
-                "peak_memory_bytes": max(p[name] for p in all_peaks),
-                "peak_memory_bytes_per_rank": [p[name] for p in all_peaks],
+                "peak_memory_bytes": max(p[name][0] for p in all_peaks),
+                "peak_memory_bytes_per_rank": [p[name][0] for p in all_peaks],
+                "resident_peak_bytes": max(p[name][1] for p in all_peaks),
+                "resident_peak_bytes_per_rank": [p[name][1] for p in all_peaks],
                 "compile_s": max(0.0, row.first_step_s - median) if config_of(name).compiled else 0.0,
                 "collectives_per_step": row.collectives,
             }

@@ -37,6 +37,9 @@ signature / fields we use. "fallback": what runs on 2.11 instead.
 - use_rank_aware_cache_keys: 2.11's DTensor has no `_stable_hash_for_caching` and no file of the
   2.11 wheel names it -- fallback: the method is set but nothing calls it, so the per-rank key does
   nothing on 2.11. Whether 2.11's cache can serve one rank another's graph is not known.
+- allocator_events, cpu_allocations_counted_on_every_thread: added after this review (used by the
+  benchmarks' tensor-peak measurement, `calibrate.high_water.tensor_high_water_bytes`); not read
+  against 2.11.
 - Not a _compat entry, but the issue asked: `redistribute(backward_dtype=...)` exists in 2.11 and
   its backward casts the gradient to `backward_dtype` before redistributing (the reduction), so by
   reading, `reduce_dtype` applies on 2.11. Not run.
@@ -48,8 +51,12 @@ functions (`torch._foreach_copy_`, `torch._chunk_cat`) are.
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import os
 import re
 import weakref
+from collections.abc import Iterator
 
 import torch
 
@@ -177,6 +184,41 @@ chunk_cat = torch._chunk_cat
 # releases have alone. Checked on 2.13.
 all_gather_single = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
 reduce_scatter_single = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
+
+
+def allocator_events(prof) -> list[tuple[int, int, int]]:
+    """(start in ns, signed bytes, tensor bytes allocated after it) of every allocator event a
+    finished `torch.profiler.profile(..., profile_memory=True)` recorded, sorted by time.
+    `prof.events()` folds these into the ops they happened in (net bytes per op), which loses the
+    peak inside an op; the event tree keeps each allocation and free.
+    `profiler.kineto_results.experimental_event_tree()`, `_EventType.Allocation`, node `.tag`,
+    `.children`, `.start_time_ns`, `.extra_fields.alloc_size` / `.total_allocated`: checked on 2.13."""
+    from torch._C._profiler import _EventType
+
+    found, stack = [], list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        node = stack.pop()
+        stack.extend(node.children)
+        if node.tag == _EventType.Allocation:
+            fields = node.extra_fields
+            found.append((node.start_time_ns, fields.alloc_size, fields.total_allocated))
+    return sorted(found)
+
+
+@contextlib.contextmanager
+def cpu_allocations_counted_on_every_thread() -> Iterator[None]:
+    """While inside, c10's CPU allocator keeps its running total of allocated bytes on every thread
+    (the `caffe2_report_cpu_memory_usage` flag of libc10), not only on threads the profiler
+    follows, so the totals `allocator_events` reads count a tensor freed on another thread (gloo
+    frees a reduction's staging copy on its worker thread). Linux (libc10.so); the flag and its
+    effect: checked on 2.13."""
+    library = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libc10.so"))
+    flag = ctypes.c_bool.in_dll(library, "FLAGS_caffe2_report_cpu_memory_usage")
+    before, flag.value = flag.value, True
+    try:
+        yield
+    finally:
+        flag.value = before
 
 
 def version_counter(tensor: torch.Tensor) -> int:
@@ -340,11 +382,13 @@ __all__ = [
     "StridedShard",
     "TorchDispatchMode",
     "all_gather_single",
+    "allocator_events",
     "aot_autograd",
     "backend_graph_passes",
     "c10d_functional",
     "chunk_cat",
     "compiled_in_place",
+    "cpu_allocations_counted_on_every_thread",
     "eager_top_frame",
     "flop_registry",
     "foreach_copy_",

@@ -45,6 +45,7 @@ def test_scoreboard_runs_end_to_end(tmp_path):
         assert abs(row["tokens_per_s"] * row["step_time_s"] - tokens) < 1e-6 * tokens
         assert len(row["peak_memory_bytes_per_rank"]) == document["setup"]["world"]
         assert row["peak_memory_bytes"] == max(row["peak_memory_bytes_per_rank"]) > 0
+        assert row["resident_peak_bytes"] == max(row["resident_peak_bytes_per_rank"]) > 0  # a CPU run
         assert (row["compile_s"] > 0) == (key in COMPILED), key
         assert row["collectives_per_step"] > 0, key
         assert (row["predicted_step_s"] is not None) == (key in PREDICTED), key

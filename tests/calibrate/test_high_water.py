@@ -1,0 +1,74 @@
+"""The two peak-memory measurements: tensor bytes from torch's allocator, resident bytes from the kernel."""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from simplefsdp.calibrate.high_water import high_water_bytes, tensor_high_water_bytes
+
+CPU = torch.device("cpu")
+MiB = 1 << 20
+
+
+def _bytes(n: int) -> torch.Tensor:
+    return torch.empty(n, dtype=torch.uint8)
+
+
+def test_tensor_peak_is_the_most_bytes_live_at_once():
+    def call() -> None:
+        a, b = _bytes(4 * MiB), _bytes(2 * MiB)
+        del a
+        c = _bytes(1 * MiB)
+        del b, c
+
+    assert tensor_high_water_bytes(call, CPU) == 6 * MiB
+
+
+def test_tensor_peak_does_not_subtract_a_tensor_older_than_the_call():
+    held = [_bytes(4 * MiB)]
+
+    def call() -> None:
+        held.clear()  # frees 4 MiB the measurement never saw allocated
+        _bytes(3 * MiB)
+
+    assert tensor_high_water_bytes(call, CPU) == 3 * MiB
+
+
+def test_tensor_peak_sees_the_buffers_of_inductor_code():
+    n = 512  # the matmul's [n, n] output is a buffer inductor's generated code allocates
+
+    @torch.compile(backend="inductor")
+    def f(x: torch.Tensor) -> torch.Tensor:
+        return (x @ x).relu().sum()
+
+    x = torch.randn(n, n)
+    f(x)  # compile outside the measurement
+    peak = tensor_high_water_bytes(lambda: f(x), CPU)
+    assert n * n * 4 <= peak <= 2 * n * n * 4
+
+
+def test_resident_peak_counts_touched_pages():
+    def call() -> None:
+        _bytes(32 * MiB).fill_(1)  # written: resident
+
+    assert high_water_bytes(call, CPU) >= 30 * MiB
+
+
+def test_tensor_peak_counts_what_other_threads_free_and_hold():
+    held: list[torch.Tensor] = []
+
+    def call() -> None:
+        held.append(_bytes(2 * MiB))
+        freer = threading.Thread(target=held.clear)  # frees the 2 MiB on another thread
+        freer.start()
+        freer.join()
+        maker = threading.Thread(target=lambda: held.append(_bytes(4 * MiB)))
+        maker.start()
+        maker.join()
+        a = _bytes(1 * MiB)  # 4 MiB held elsewhere + 1 MiB here: the peak
+        del a
+        held.clear()
+
+    assert tensor_high_water_bytes(call, CPU) == 5 * MiB
