@@ -30,14 +30,19 @@ Measurements, per row:
 - compile time: first step minus the median step, compile caches off (eager rows: 0);
 - collectives / step: the process group's own collective calls recorded by `torch.profiler` in one
   step (events named `gloo:*` / `nccl:*`): the same counter for eager hooks and compiled code;
-- peak memory per rank: see [Note: peak memory]
+- peak memory per rank: see [Note: peak memory]; the table shows the largest over the ranks;
+- predicted step time and peak memory (simplefsdp's compiled rows with its own passes or none):
+  `simplefsdp.inspect.dry_run` of the same configuration with the profile, in the parent process.
+
+[Note: peak memory]
 All rows live in one process (so their steps can be interleaved), so a process-wide high-water mark
 cannot tell them apart. Peak = the row's resident state (bytes of this rank's parameters and
 optimizer state, exact, plus DDP's gradient buckets, as many bytes as the parameters) + the step's
 transient peak, measured in extra steps after the timing, two ways:
 - tensor bytes (the "peak memory / rank" column, the targets, the picture): torch's allocator -- on
   CUDA `torch.cuda.max_memory_allocated` above `memory_allocated` before the step, on the CPU the
-  allocation and free events `torch.profiler` records (`tensor_high_water_bytes`), which count
+  allocator's running total over every thread at the allocation events `torch.profiler` records
+  (`tensor_high_water_bytes`), which count
   inductor's buffers and gloo's staging tensors but not gloo's own scratch (a few MiB per
   all-reduce, outside torch's allocator);
 - resident bytes (the "resident peak" column; CPU only): the kernel's resident high-water mark

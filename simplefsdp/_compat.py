@@ -37,7 +37,7 @@ signature / fields we use. "fallback": what runs on 2.11 instead.
 - use_rank_aware_cache_keys: 2.11's DTensor has no `_stable_hash_for_caching` and no file of the
   2.11 wheel names it -- fallback: the method is set but nothing calls it, so the per-rank key does
   nothing on 2.11. Whether 2.11's cache can serve one rank another's graph is not known.
-- allocator_events, cpu_allocations_counted_on_every_thread: added after this review (used by the
+- allocator_events, count_cpu_allocations_on_every_thread: added after this review (used by the
   benchmarks' tensor-peak measurement, `calibrate.high_water.tensor_high_water_bytes`); not read
   against 2.11.
 - Not a _compat entry, but the issue asked: `redistribute(backward_dtype=...)` exists in 2.11 and
@@ -51,12 +51,10 @@ functions (`torch._foreach_copy_`, `torch._chunk_cat`) are.
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import os
 import re
 import weakref
-from collections.abc import Iterator
 
 import torch
 
@@ -205,20 +203,16 @@ def allocator_events(prof) -> list[tuple[int, int, int]]:
     return sorted(found)
 
 
-@contextlib.contextmanager
-def cpu_allocations_counted_on_every_thread() -> Iterator[None]:
-    """While inside, c10's CPU allocator keeps its running total of allocated bytes on every thread
+def count_cpu_allocations_on_every_thread() -> None:
+    """From now on, c10's CPU allocator keeps its running total of allocated bytes on every thread
     (the `caffe2_report_cpu_memory_usage` flag of libc10), not only on threads the profiler
     follows, so the totals `allocator_events` reads count a tensor freed on another thread (gloo
-    frees a reduction's staging copy on its worker thread). Linux (libc10.so); the flag and its
-    effect: checked on 2.13."""
+    frees a reduction's staging copy on its worker thread). Never turned off again: a block
+    recorded while on and freed while off would keep its size in the allocator's table, and a
+    later free of the same address would subtract it. Costs a lock per CPU allocation. Linux
+    (libc10.so); the flag and its effect: checked on 2.13."""
     library = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libc10.so"))
-    flag = ctypes.c_bool.in_dll(library, "FLAGS_caffe2_report_cpu_memory_usage")
-    before, flag.value = flag.value, True
-    try:
-        yield
-    finally:
-        flag.value = before
+    ctypes.c_bool.in_dll(library, "FLAGS_caffe2_report_cpu_memory_usage").value = True
 
 
 def version_counter(tensor: torch.Tensor) -> int:
@@ -388,7 +382,7 @@ __all__ = [
     "c10d_functional",
     "chunk_cat",
     "compiled_in_place",
-    "cpu_allocations_counted_on_every_thread",
+    "count_cpu_allocations_on_every_thread",
     "eager_top_frame",
     "flop_registry",
     "foreach_copy_",

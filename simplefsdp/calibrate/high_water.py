@@ -2,13 +2,13 @@
 behind `simplefsdp calibrate`'s staging factors and the benchmarks' peak memory per rank.
 
 `tensor_high_water_bytes`: torch's allocator, tensor bytes. On CUDA `torch.cuda.max_memory_allocated`
-above `memory_allocated`; on the CPU the running sum of the allocation and free events
-`torch.profiler` records with `profile_memory=True` on the calling thread, each carrying the
-allocator's running total -- kept over every thread while measuring -- so the maximum counts
-inductor's buffers, the CPU autograd engine's (it runs backward on the calling thread), gloo's
-staging tensors (allocated when the collective is issued on the calling thread, freed on gloo's
-worker thread for a reduction). A tensor another thread allocates and frees between two events of
-the calling thread is not seen.
+above `memory_allocated`; on the CPU the allocator's running total of tensor bytes, kept over every
+thread (the first call turns that accounting on for the rest of the process), read at each
+allocation and free `torch.profiler` records on the calling thread: its maximum above the start.
+That counts inductor's buffers, the CPU autograd engine's (it runs backward on the calling thread)
+and gloo's staging tensors (allocated when the collective is issued, freed on gloo's worker thread
+for a reduction). A tensor another thread allocates and frees between two events of the calling
+thread is not seen.
 
 `high_water_bytes`: on CUDA the same; on the CPU the kernel's resident high-water mark (VmHWM, reset
 through /proc/self/clear_refs just before the call) above the resident size before it --
@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from simplefsdp._compat import allocator_events, cpu_allocations_counted_on_every_thread
+from simplefsdp._compat import allocator_events, count_cpu_allocations_on_every_thread
 
 __all__ = ["high_water_bytes", "tensor_high_water_bytes"]
 
@@ -54,16 +54,14 @@ def _cuda_high_water_bytes(fn: Callable[[], object], device: torch.device) -> in
 def tensor_high_water_bytes(fn: Callable[[], object], device: torch.device) -> int:
     """Tensor bytes `fn()` allocates above what was held before it, at its peak (module docstring).
 
-    On the CPU a tensor allocated before the call and freed during it is not seen (the profiler
-    does not know its size), so the peak can only come out high, never low, by such tensors."""
+    On the CPU a tensor allocated before the first call and freed during one is not subtracted (the
+    allocator did not record its size), so the peak can only come out high, never low, by such
+    tensors."""
     gc.collect()
     if device.type == "cuda":
         return _cuda_high_water_bytes(fn, device)
-    activities = [torch.profiler.ProfilerActivity.CPU]
-    with (
-        cpu_allocations_counted_on_every_thread(),
-        torch.profiler.profile(activities=activities, profile_memory=True) as prof,
-    ):
+    count_cpu_allocations_on_every_thread()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
         fn()
     events = allocator_events(prof)
     if not events:

@@ -26,14 +26,17 @@ def test_tensor_peak_is_the_most_bytes_live_at_once():
     assert tensor_high_water_bytes(call, CPU) == 6 * MiB
 
 
-def test_tensor_peak_does_not_subtract_a_tensor_older_than_the_call():
+def test_tensor_peak_is_measured_from_what_was_held_at_the_start():
+    tensor_high_water_bytes(lambda: None, CPU)  # the allocator counts from here on
     held = [_bytes(4 * MiB)]
 
-    def call() -> None:
-        held.clear()  # frees 4 MiB the measurement never saw allocated
-        _bytes(3 * MiB)
+    def call(then: int) -> None:
+        held.clear()  # 4 MiB held before the call, freed in it
+        _bytes(then * MiB)
 
-    assert tensor_high_water_bytes(call, CPU) == 3 * MiB
+    assert tensor_high_water_bytes(lambda: call(3), CPU) == 0  # never above the start
+    held.append(_bytes(4 * MiB))
+    assert tensor_high_water_bytes(lambda: call(6), CPU) == 2 * MiB
 
 
 def test_tensor_peak_sees_the_buffers_of_inductor_code():
