@@ -11,6 +11,8 @@ Rows (all fp32, AdamW, the same Llama-style model from the same seed):
   simplefsdp eager                  `simplefsdp.wrap`, no compile
   simplefsdp compiled, no passes    `wrap(passes=None)` + `torch.compile`: one collective per parameter
   simplefsdp compiled, our passes   `wrap()` + `torch.compile`: simplefsdp's bucketing and reordering
+  ..., no peak growth               the same with `ReorderConfig(max_peak_growth_bytes=0)`: overlap only
+                                    where the graph's live bytes leave room (no graph's peak grows)
   ... (auto plan)                   the same with the cost-model ("auto") plan on this machine's profile
   simplefsdp compiled, torch's      `wrap(passes=None)` + inductor's FX bucketing and overlap reordering
   the same three, SHARD_GRAD_OP     FSDP2 with `reshard_after_forward=False`, simplefsdp with
@@ -105,6 +107,7 @@ class Config:
     compiled: bool = True
     passes: str = "ours"  # simplefsdp: "ours", "auto", "none" or "torch" (inductor's own FX bucketing)
     budget: float | None = None  # the auto plan's memory_budget
+    peak_growth: int | None = None  # ReorderConfig.max_peak_growth_bytes of our passes
 
 
 CONFIGS = {  # key (for --rows and the JSON) -> setup
@@ -114,6 +117,7 @@ CONFIGS = {  # key (for --rows and the JSON) -> setup
     "simplefsdp-eager": Config("simplefsdp eager", "simplefsdp", compiled=False),
     "no-passes": Config("simplefsdp compiled, no passes", "simplefsdp", passes="none"),
     "ours": Config("simplefsdp compiled, our passes", "simplefsdp"),
+    "ours-no-growth": Config("simplefsdp compiled, our passes, no peak growth", "simplefsdp", peak_growth=0),
     "ours-auto": Config("simplefsdp compiled, our passes (auto plan)", "simplefsdp", passes="auto"),
     "torch-passes": Config("simplefsdp compiled, torch's passes", "simplefsdp", passes="torch"),
     "fsdp2-zero2": Config("FSDP2 eager, SHARD_GRAD_OP", "fsdp2", strategy="SHARD_GRAD_OP", compiled=False),
@@ -143,6 +147,8 @@ def passes_of(config: Config, profile: str) -> simplefsdp.PassConfig | None:
     if config.passes == "auto":
         bucket = simplefsdp.BucketConfig(plan="auto", device=profile, memory_budget=config.budget)
         return simplefsdp.PassConfig(bucket=bucket)
+    if config.peak_growth is not None:
+        return simplefsdp.PassConfig(reorder=simplefsdp.ReorderConfig(max_peak_growth_bytes=config.peak_growth))
     return simplefsdp.PassConfig()
 
 

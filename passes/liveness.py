@@ -47,7 +47,9 @@ __all__ = [
     "COMM_BUFFERS",
     "REDUCED_GRADIENTS",
     "GraphPeak",
+    "allocates",
     "graph_peak",
+    "live_bytes_along",
     "nbytes",
     "not_alike",
     "peak_bytes",
@@ -122,9 +124,11 @@ def _walk(
     skip: Collection[fx.Node],
     kind_of: Callable[[fx.Node], str],
     staging: Mapping[str, float] | None = None,
+    along: list[int] | None = None,
 ) -> tuple[int, dict[str, int], int, int]:
     """(peak, live bytes by kind at the peak, most comm bytes, live at the end); `skip`: nodes not counted;
-    `staging`: the communication library's bytes per byte of a collective's full buffer, per kind."""
+    `staging`: the communication library's bytes per byte of a collective's full buffer, per kind;
+    `along`: if given, receives the live bytes at each node (after it allocates, before frees)."""
     nodes = list(graph.nodes)
     position = {node: i for i, node in enumerate(nodes)}
     root: dict[fx.Node, fx.Node] = {}
@@ -158,6 +162,8 @@ def _walk(
             held[COMM_BUFFERS] = held.get(COMM_BUFFERS, 0) + taken[i]
             total += taken[i]
         max_comm = max(max_comm, held.get(COMM_BUFFERS, 0))
+        if along is not None:
+            along.append(total)
         if total > peak:
             peak, at_peak = total, dict(held)
         for freed in frees.get(i, ()):
@@ -188,11 +194,39 @@ def peak_bytes(graph: fx.Graph, *, skip: Collection[fx.Node] | None = None) -> i
     return _walk(graph, not_alike(graph) if skip is None else skip, lambda node: ACTIVATIONS)[0]
 
 
+def allocates(node: fx.Node) -> bool:
+    """Whether the walk gives `node` a buffer of its own (views, waits and in-place collectives alias one)."""
+    return node.op != "output" and _alias_of(node) is None
+
+
+def live_bytes_along(graph: fx.Graph, *, skip: Collection[fx.Node]) -> dict[fx.Node, int]:
+    """What `peak_bytes` walks, node by node: the live bytes while each node runs (its outputs
+    allocated, nothing it frees freed yet). `skip`: as `peak_bytes`'s (e.g. `not_alike(graph)`)."""
+    along: list[int] = []
+    _walk(graph, skip, lambda node: ACTIVATIONS, along=along)
+    return dict(zip(graph.nodes, along, strict=True))
+
+
 def not_alike(graph: fx.Graph) -> set[fx.Node]:
-    """The nodes `peak_bytes` does not count: the graph's inputs and the nodes `sized_by_this_rank`,
-    except the bucket copy ops', whose buffers are padded to the same size on every rank."""
+    """The nodes `peak_bytes` does not count: the nodes `sized_by_this_rank`, except the bucket copy
+    ops', whose buffers are padded to the same size on every rank, and the inputs those nodes,
+    the bucket copies or collectives read -- parameter shards, held by the model whatever the graph
+    does.
+
+    [Note: the backward's inputs count] The other inputs do count, from the graph's start to their
+    last use: in a backward they are the activations the forward saved, which inductor's code frees
+    as the backward consumes them, the same size on every rank. Left out, a backward's live bytes
+    would seem to grow towards its end (the reduced gradients pile up) when they fall from the start
+    (the activations dominate), and the pass would overlap where the step's memory peaks."""
     own = {node for node in sized_by_this_rank(graph) if not is_bucket_copy(node)}
-    return own | set(graph.find_nodes(op="placeholder"))
+    read_by_own = {
+        source
+        for node in graph.nodes
+        if node in own or is_bucket_copy(node) or collective_kind(node) is not None
+        for source in node.all_input_nodes
+        if source.op == "placeholder"
+    }
+    return own | read_by_own
 
 
 def sized_by_this_rank(graph: fx.Graph) -> set[fx.Node]:

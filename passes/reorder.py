@@ -39,6 +39,20 @@ time unless two fit in that. A number gives each kind that many bytes.
 bytes may grow by at most the budget (explicit: `max_in_flight_bytes`; derived: the two budgets'
 sum). If it grew more, the moves are undone and retried with a quarter of the budget, then with
 none; if that still does not fit, the graph keeps its original order.
+
+[Note: placing by slack]
+A graph's live bytes rise and fall: a forward holds few activations early on, a backward frees
+them block by block while the reduced gradients pile up. A prefetch or a late wait costs nothing
+where the live bytes sit below the graph's peak. So each attempt first puts the graph in a
+baseline order (nothing prefetched, gathers waited at first use, each reduction waited right
+after its launch), walks it once, and then places collectives one by one, in order: a gather is
+prefetched only as far back as the live bytes along the way, plus its gathered buffer and
+copy-in, stay under the cap (`peak_before + allowance`); a reduction's wait is delayed past the
+next reductions' launches only while its input fits under the cap the same way. Each placement
+is counted in the walk's totals before the next is decided (one walk, then interval updates;
+no walk per candidate). `max_peak_growth_bytes=0` asks for overlap that costs no peak memory
+at all; the default (None) allows the in-flight budgets' sum. The final walk still checks the
+result, as above (the placements assume the other nodes' buffers keep their baseline lifetimes).
 """
 
 from __future__ import annotations
@@ -53,7 +67,7 @@ from torch import fx
 from simplefsdp.kernels.copy_ops import ALL_GATHER_COPY_OUT
 from simplefsdp.passes.collectives import find_collectives, is_data_movement
 from simplefsdp.passes.detect import find_fsdp_reductions
-from simplefsdp.passes.liveness import not_alike, peak_bytes
+from simplefsdp.passes.liveness import allocates, live_bytes_along, nbytes, not_alike, peak_bytes
 from simplefsdp.passes.walk import upstream, walk
 
 __all__ = ["ReorderConfig", "ReorderResult", "reorder", "reorder_all_gathers", "reorder_reductions"]
@@ -67,12 +81,17 @@ class ReorderConfig:
     # extra bytes reordering may keep alive (prefetched gathered buffers, inputs of reductions in
     # flight); None: derived from each graph, see [Note: the memory budget]
     max_in_flight_bytes: int | None = None
+    # how far reordering may raise the graph's peak live bytes over the order it was given; None: by
+    # the in-flight budgets (their sum, or `max_in_flight_bytes`), see [Note: placing by slack]
+    max_peak_growth_bytes: int | None = None
 
     def __post_init__(self) -> None:
         if self.prefetch_depth < 0:
             raise ValueError(f"prefetch_depth must be >= 0, got {self.prefetch_depth}")
         if self.max_in_flight_bytes is not None and self.max_in_flight_bytes <= 0:
             raise ValueError(f"max_in_flight_bytes must be positive or None, got {self.max_in_flight_bytes}")
+        if self.max_peak_growth_bytes is not None and self.max_peak_growth_bytes < 0:
+            raise ValueError(f"max_peak_growth_bytes must be >= 0 or None, got {self.max_peak_growth_bytes}")
 
 
 def _is_unpack(node: fx.Node) -> bool:
@@ -165,7 +184,7 @@ def _prefetchable_gathers(graph: fx.Graph, groups: Collection[tuple[int, ...]] |
 class ReorderResult:
     """What `reorder` did to one graph (peaks from the liveness walk, in bytes)."""
 
-    moved: int  # launches / waits moved
+    moved: int  # collectives placed away from the baseline order: gathers prefetched, reduction waits delayed
     peak_before: int
     peak_after: int
     allowance: int  # how much the peak was allowed to grow
@@ -173,6 +192,34 @@ class ReorderResult:
 
 
 _RETRY_FRACTIONS = (1.0, 0.25, 0.0)  # of the budget, tried in turn while the peak grows too much
+
+
+class _Room:
+    """Live bytes along a graph in its baseline order, and the cap they must stay under
+    ([Note: placing by slack]). Positions are the baseline's: moves made afterwards do not shift them."""
+
+    def __init__(self, graph: fx.Graph, *, skip: Collection[fx.Node], cap: int) -> None:
+        along = live_bytes_along(graph, skip=skip)
+        self.position = {node: i for i, node in enumerate(along)}
+        self.live = list(along.values())
+        self.skip = skip
+        self.cap = cap
+
+    def held(self, nodes: Iterable[fx.Node]) -> int:
+        """Bytes of the buffers `nodes` allocate that the walk counts."""
+        return sum(nbytes(node) for node in nodes if node not in self.skip and allocates(node))
+
+    def take(self, first: fx.Node, last: fx.Node, extra: int) -> bool:
+        """Whether `extra` more bytes may stay live from `first` up to (not including) `last` in the
+        baseline order without passing the cap; if so, they are counted from now on."""
+        start, stop = self.position[first], self.position[last]
+        if start >= stop or extra <= 0:
+            return True
+        if max(self.live[start:stop]) + extra > self.cap:
+            return False
+        for i in range(start, stop):
+            self.live[i] += extra
+        return True
 
 
 def reorder(
@@ -190,13 +237,21 @@ def reorder(
     else:
         gather_budget, reduction_budget = config.prefetch_depth * max(gathered, default=0), max(reduced, default=0)
         allowance = gather_budget + reduction_budget
+    if config.max_peak_growth_bytes is not None:
+        allowance = config.max_peak_growth_bytes
     order = list(graph.nodes)
     skip = not_alike(graph)  # moves keep the nodes: one set serves every walk below
     before = peak_bytes(graph, skip=skip)
     for fraction in _RETRY_FRACTIONS:
         budgets = (int(gather_budget * fraction), int(reduction_budget * fraction))
-        moved = reorder_all_gathers(graph, config=config, groups=groups, budget=budgets[0])
-        moved += reorder_reductions(graph, config=config, groups=groups, budget=budgets[1])
+        # the baseline: nothing prefetched, gathers waited at first use, reductions at their launch
+        reorder_all_gathers(graph, config=config, groups=groups, budget=0)
+        reorder_reductions(graph, config=config, groups=groups, budget=0)
+        _wait_reductions_at_launch(graph, groups)
+        room = _Room(graph, skip=skip, cap=before + allowance)
+        # counted: the placements away from the baseline (gathers prefetched, waits delayed)
+        moved = reorder_all_gathers(graph, config=config, groups=groups, budget=budgets[0], room=room)
+        moved += reorder_reductions(graph, config=config, groups=groups, budget=budgets[1], room=room)
         after = peak_bytes(graph, skip=skip)
         if after <= before + allowance:
             return ReorderResult(
@@ -220,9 +275,11 @@ def reorder_all_gathers(
     config: ReorderConfig,
     groups: Collection[tuple[int, ...]] | None = None,
     budget: int | None = None,
+    room: _Room | None = None,
 ) -> int:
     """Prefetch all-gathers (on `groups`, if given) and sink their waits to first use; returns how
-    many launches moved earlier. `budget`: bytes of prefetched gathered buffers (default: the config's)."""
+    many launches moved earlier. `budget`: bytes of prefetched gathered buffers (default: the config's);
+    `room`: if given, a gather is prefetched only as far as the live bytes leave room for it."""
     gathers = _prefetchable_gathers(graph, groups)
     for g in gathers:  # wait (and unpacking) right before the first use
         _move_before(g.first_use, [g.wait, *g.landing])
@@ -235,6 +292,10 @@ def reorder_all_gathers(
         while depth > 0 and sum(sizes[j - depth + 1 : j + 1]) > budget:
             depth -= 1
         anchor_index = max(j - depth, previous_anchor)
+        if room is not None:  # the gathered buffer and its copy-in live from the anchor on
+            extra = room.held([*g.chain, g.launch])
+            while anchor_index < j and not room.take(gathers[anchor_index].wait, g.launch, extra):
+                anchor_index += 1
         previous_anchor = anchor_index
         anchor = gathers[anchor_index].wait
         if anchor_index == j or g.launch < anchor:
@@ -250,10 +311,12 @@ def reorder_reductions(
     config: ReorderConfig,
     groups: Collection[tuple[int, ...]] | None = None,
     budget: int | None = None,
+    room: _Room | None = None,
 ) -> int:
     """Launch each gradient reduction (on `groups`, if given) right after its inputs exist, wait as
     late as the budget allows; returns how many waits moved. `budget`: bytes of the inputs of the
-    reductions in flight (default: the config's, or the largest reduction's input)."""
+    reductions in flight (default: the config's, or the largest reduction's input); `room`: if given,
+    a wait is delayed only as far as the live bytes leave room for the reduction's input."""
     reductions = find_fsdp_reductions(graph, groups=groups)
     # each launch with its chain: the same nodes before and after they move
     chains = {r.launch: [*_reduction_launch_chain(r.launch), r.launch] for r in reductions}
@@ -281,6 +344,8 @@ def reorder_reductions(
         if not limits:
             continue
         anchor = min(limits)
+        if room is not None and anchor > r.wait:
+            anchor = _delay_within(room, r.wait, anchor, sizes[i], stops=launch_of[i + 1 :])
         if anchor > r.wait and _after_landing(r.wait, landing) is not anchor:
             _move_before(anchor, [r.wait, *landing])
             moved += 1
@@ -292,3 +357,22 @@ def reorder_reductions(
                 _move_before(target, [r.wait, *landing])
                 moved += 1
     return moved
+
+
+def _wait_reductions_at_launch(graph: fx.Graph, groups: Collection[tuple[int, ...]] | None) -> None:
+    """Each gradient reduction's wait (with its landing) right after its launch: none overlaps anything."""
+    for r in find_fsdp_reductions(graph, groups=groups):
+        if r.launch.next is not r.wait:
+            _move_before(r.launch.next, [r.wait, *_landing(r.wait)[0]])
+
+
+def _delay_within(room: _Room, wait: fx.Node, limit: fx.Node, held: int, *, stops: list[fx.Node]) -> fx.Node:
+    """How far (up to `limit`) a reduction's wait may move while its input (`held` bytes) stays
+    live: step by step past the later reductions' launches (`stops`) while the room takes it;
+    `wait` itself if not even the first step fits."""
+    reached = wait
+    for stop in sorted({s for s in stops if wait < s < limit} | {limit}):
+        if not room.take(reached, stop, held):
+            break
+        reached = stop
+    return reached

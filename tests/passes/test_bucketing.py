@@ -185,14 +185,36 @@ def _launch_wait_order(graph: torch.fx.Graph, predicate) -> list[str]:
     return order
 
 
-def _reordered_graphs(fake_world8, reorder: ReorderConfig):
+def _reordered_graphs(fake_world8, reorder: ReorderConfig, *, backend: str = "inductor", graph_pass=None):
     torch.compiler.reset()  # a fresh compile: Dynamo would reuse the previous model's graph
     mesh = init_device_mesh("cpu", (8,))
     model = simplefsdp.wrap(Transformer(L8), mesh, passes=None)
     tokens = torch.randint(0, L8.vocab_size, (2, 8))
     blocks = tuple(find_repeated_blocks(model))
-    config = PassConfig(bucket=BucketConfig(blocks=blocks), reorder=reorder)
-    return record_step(model, lambda compiled: compiled(tokens).sum(), graph_pass=FsdpPass(config)).post
+    graph_pass = graph_pass or FsdpPass(PassConfig(bucket=BucketConfig(blocks=blocks), reorder=reorder))
+    return record_step(model, lambda compiled: compiled(tokens).sum(), graph_pass=graph_pass, backend=backend).post
+
+
+def test_no_peak_growth_still_prefetches_where_there_is_room(fake_world8):
+    """`max_peak_growth_bytes=0` ([Note: placing by slack]): neither graph's peak live bytes grow, yet
+    the forward prefetches its first blocks' gathers (few activations are live there), and the
+    default allowance prefetches at least as many."""
+    from simplefsdp.passes.collectives import is_all_gather
+
+    peaks, prefetched = {}, {}
+    for growth in (0, None):
+        blocks = tuple(find_repeated_blocks(Transformer(L8)))
+        config = PassConfig(bucket=BucketConfig(blocks=blocks), reorder=ReorderConfig(max_peak_growth_bytes=growth))
+        graph_pass = FsdpPass(config)
+        forward, _ = _reordered_graphs(fake_world8, config.reorder, backend=AOT_EAGER, graph_pass=graph_pass)
+        assert len(graph_pass.reorders) == 2
+        peaks[growth] = [(r.peak_before, r.peak_after, r.allowance) for r in graph_pass.reorders]
+        prefetched[growth] = graph_pass.moved
+        if growth == 0:
+            assert _launch_wait_order(forward, is_all_gather)[:4] == ["L0", "L1", "W", "L2"]
+    assert all(after <= before and allowance == 0 for before, after, allowance in peaks[0])
+    assert all(after <= before + allowance for before, after, allowance in peaks[None])
+    assert 0 < prefetched[0] <= prefetched[None]
 
 
 @pytest.mark.slow

@@ -7,7 +7,7 @@ from torch import fx
 
 from simplefsdp._compat import FakeTensorMode
 from simplefsdp._compat import c10d_functional as c10d
-from simplefsdp.passes.liveness import COMM_BUFFERS, REDUCED_GRADIENTS, graph_peak, peak_bytes
+from simplefsdp.passes.liveness import COMM_BUFFERS, REDUCED_GRADIENTS, graph_peak, not_alike, peak_bytes
 
 aten = torch.ops.aten
 MIB = 2**20
@@ -51,9 +51,25 @@ def test_a_collectives_input_lives_until_its_wait():
 
 
 def test_peak_bytes_counts_what_every_rank_holds_alike():
-    """The pass's check leaves out the graph's inputs (a rank's shards differ in size)."""
-    graph, _ = _reduce_then_compute()
-    assert peak_bytes(graph) == 1 * MIB + MIB // 2 + 2 * MIB
+    """The pass's check counts a backward's inputs (saved activations: alike on every rank, freed at
+    their last use, [Note: the backward's inputs count]) but not the shards a gather reads (a rank's
+    shard may be smaller), nor what derives from them."""
+    graph, n = _reduce_then_compute()
+    assert peak_bytes(graph) == graph_peak(graph).peak_bytes == MIB // 4 + 2 * MIB + 1 * MIB + MIB // 2 + 2 * MIB
+    with FakeTensorMode() as mode:
+        shard = mode.from_tensor(torch.zeros(128, 1024))  # 0.5 MiB, gathered to 1 MiB
+        full = c10d.all_gather_into_tensor.default(shard, 2, "0")
+    with graph.inserting_before(n["grad"]):
+        s = graph.placeholder("shard")
+        s.meta["val"] = shard
+        launch = graph.call_function(c10d.all_gather_into_tensor.default, (s, 2, "0"))
+        wait = graph.call_function(c10d.wait_tensor.default, (launch,))
+        launch.meta["val"] = wait.meta["val"] = full
+    n["grad"].args = (n["x"], wait)  # the gathered weight replaces w
+    graph.erase_node(n["w"])
+    assert peak_bytes(graph) == MIB // 4 + 2 * MIB + 1 * MIB + MIB // 2 + 2 * MIB, "gathered 1 MiB, as w was"
+    assert s in not_alike(graph)
+    assert n["x"] not in not_alike(graph)
 
 
 def test_comm_buffers_are_told_apart():
@@ -79,4 +95,4 @@ def test_staging_is_held_from_launch_to_wait_where_the_profile_measured_it():
     assert staged.peak_bytes == plain.peak_bytes + 1 * MIB
     assert staged.at_peak[COMM_BUFFERS] == plain.at_peak.get(COMM_BUFFERS, 0) + 1 * MIB
     assert staged.end_bytes == plain.end_bytes, "freed at the wait"
-    assert peak_bytes(graph) == 1 * MIB + MIB // 2 + 2 * MIB, "the pass's own check counts no staging"
+    assert peak_bytes(graph) == plain.peak_bytes, "the pass's own check counts no staging"
