@@ -221,10 +221,8 @@ def not_alike(graph: fx.Graph) -> set[fx.Node]:
     own = {node for node in sized_by_this_rank(graph) if not is_bucket_copy(node)}
     read_by_own = {
         source
-        for node in graph.nodes
-        if node in own or is_bucket_copy(node) or collective_kind(node) is not None
-        for source in node.all_input_nodes
-        if source.op == "placeholder"
+        for source in graph.find_nodes(op="placeholder")
+        if any(user in own or is_bucket_copy(user) or collective_kind(user) is not None for user in source.users)
     }
     return own | read_by_own
 
