@@ -36,9 +36,10 @@ budget (a collective's input stays alive until its wait). `ReorderConfig.max_in_
 gathered bucket, the reductions the largest reduction's input -- so one reduction is in flight at a
 time unless two fit in that. A number gives each kind that many bytes.
 `reorder()` then checks the result with the liveness walk (`liveness.py`): the graph's peak live
-bytes may grow by at most the budget (explicit: `max_in_flight_bytes`; derived: the two budgets'
-sum). If it grew more, the moves are undone and retried with a quarter of the budget, then with
-none; if that still does not fit, the graph keeps its original order.
+bytes may grow by at most the allowance (`max_peak_growth_bytes` when set; else explicit:
+`max_in_flight_bytes`; derived: the two budgets' sum). If it grew more, the moves are undone and
+retried with a quarter of the budget, then with none; if that still does not fit, the graph keeps
+its original order.
 
 [Note: placing by slack]
 A graph's live bytes rise and fall: a forward holds few activations early on, a backward frees
