@@ -68,7 +68,7 @@ from torch import fx
 from simplefsdp.kernels.copy_ops import ALL_GATHER_COPY_OUT
 from simplefsdp.passes.collectives import find_collectives, is_data_movement
 from simplefsdp.passes.detect import find_fsdp_reductions
-from simplefsdp.passes.liveness import allocates, live_bytes_along, nbytes, not_alike, peak_bytes
+from simplefsdp.passes.liveness import Lifetimes, allocates, nbytes, not_alike
 from simplefsdp.passes.walk import upstream, walk
 
 __all__ = ["ReorderConfig", "ReorderResult", "reorder", "reorder_all_gathers", "reorder_reductions"]
@@ -157,18 +157,35 @@ def _out_bytes(node: fx.Node) -> int:
     return val.numel() * val.dtype.itemsize
 
 
-@dataclasses.dataclass
+# [Note: found once, placed many times] A collective's launch chain, landing and consumers are
+# sets of nodes that moves do not change (moves keep the nodes and their edges), so `reorder` finds
+# them once and every attempt's baseline and placements reuse them; what depends on the order (the
+# first consumer, which launch comes first) is read from the graph when it is needed.
+
+
+@dataclasses.dataclass(frozen=True)
 class _Gather:
     launch: fx.Node
     wait: fx.Node
-    chain: list[fx.Node]
+    chain: list[fx.Node]  # data movement from graph inputs to the launch
+    landing: list[fx.Node]  # the wait's unpacking ops
+    consumers: list[fx.Node]  # the other users of the wait and of its landing
+    size: int  # bytes gathered
+
+
+@dataclasses.dataclass(frozen=True)
+class _Reduction:
+    launch: fx.Node
+    wait: fx.Node
+    chain: list[fx.Node]  # data movement from the gradients' producers, and the launch itself
     landing: list[fx.Node]
-    first_use: fx.Node
+    consumers: list[fx.Node]
+    size: int  # bytes sent (the full gradient)
 
 
 def _prefetchable_gathers(graph: fx.Graph, groups: Collection[tuple[int, ...]] | None) -> list[_Gather]:
     """All-gathers on `groups` (another parallelism's, e.g. tensor parallel's, are not ours to move)
-    whose input is data movement from graph inputs, with their wait and its users, by first use."""
+    whose input is data movement from graph inputs, with their wait and its users."""
     found = []
     for gather in find_collectives(graph, kinds=("all_gather",), groups=groups):
         if gather.wait is None:
@@ -177,8 +194,18 @@ def _prefetchable_gathers(graph: fx.Graph, groups: Collection[tuple[int, ...]] |
         landing, consumers = _landing(gather.wait)
         if chain is None or not consumers:
             continue
-        found.append(_Gather(gather.launch, gather.wait, chain, landing, min(consumers)))
-    return sorted(found, key=lambda g: g.first_use)
+        found.append(_Gather(gather.launch, gather.wait, chain, landing, consumers, _out_bytes(gather.wait)))
+    return found
+
+
+def _fsdp_reductions(graph: fx.Graph, groups: Collection[tuple[int, ...]] | None) -> list[_Reduction]:
+    """The gradient reductions (`detect.find_fsdp_reductions`) with their chains and landings."""
+    found = []
+    for r in find_fsdp_reductions(graph, groups=groups):
+        landing, consumers = _landing(r.wait)
+        chain = [*_reduction_launch_chain(r.launch), r.launch]
+        found.append(_Reduction(r.launch, r.wait, chain, landing, consumers, _out_bytes(r.sent)))
+    return found
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -199,8 +226,8 @@ class _Room:
     """Live bytes along a graph in its baseline order, and the cap they must stay under
     ([Note: placing by slack]). Positions are the baseline's: moves made afterwards do not shift them."""
 
-    def __init__(self, graph: fx.Graph, *, skip: Collection[fx.Node], cap: int) -> None:
-        along = live_bytes_along(graph, skip=skip)
+    def __init__(self, lifetimes: Lifetimes, *, skip: Collection[fx.Node], cap: int) -> None:
+        along = lifetimes.along()
         self.position = {node: i for i, node in enumerate(along)}
         self.live = list(along.values())
         self.skip = skip
@@ -229,8 +256,8 @@ def reorder(
     """Prefetch all-gathers and launch reductions early within the memory budget, checked with the
     liveness walk ([Note: the memory budget]). Invariant: `peak_after <= peak_before + allowance`.
     A graph without FSDP collectives is left as it is (and not walked)."""
-    gathered = [_out_bytes(g.wait) for g in _prefetchable_gathers(graph, groups)]
-    reduced = [_out_bytes(r.sent) for r in find_fsdp_reductions(graph, groups=groups)]
+    gathers, reductions = _prefetchable_gathers(graph, groups), _fsdp_reductions(graph, groups)
+    gathered, reduced = [g.size for g in gathers], [r.size for r in reductions]
     if not gathered and not reduced:
         return ReorderResult(moved=0, peak_before=0, peak_after=0, allowance=0, budgets=(0, 0))
     if config.max_in_flight_bytes is not None:
@@ -241,19 +268,20 @@ def reorder(
     if config.max_peak_growth_bytes is not None:
         allowance = config.max_peak_growth_bytes
     order = list(graph.nodes)
-    skip = not_alike(graph)  # moves keep the nodes: one set serves every walk below
-    before = peak_bytes(graph, skip=skip)
+    skip = not_alike(graph)  # moves keep the nodes: one set of facts serves every walk below
+    lifetimes = Lifetimes(graph, skip=skip)
+    before = lifetimes.peak()
     for fraction in _RETRY_FRACTIONS:
         budgets = (int(gather_budget * fraction), int(reduction_budget * fraction))
         # the baseline: nothing prefetched, gathers waited at first use, reductions at their launch
-        reorder_all_gathers(graph, config=config, groups=groups, budget=0)
-        reorder_reductions(graph, config=config, groups=groups, budget=0)
-        _wait_reductions_at_launch(graph, groups)
-        room = _Room(graph, skip=skip, cap=before + allowance)
+        _place_gathers(gathers, config=config, budget=0)
+        _place_reductions(reductions, budget=0)
+        _wait_reductions_at_launch(reductions)
+        room = _Room(lifetimes, skip=skip, cap=before + allowance)
         # counted: the placements away from the baseline (gathers prefetched, waits delayed)
-        moved = reorder_all_gathers(graph, config=config, groups=groups, budget=budgets[0], room=room)
-        moved += reorder_reductions(graph, config=config, groups=groups, budget=budgets[1], room=room)
-        after = peak_bytes(graph, skip=skip)
+        moved = _place_gathers(gathers, config=config, budget=budgets[0], room=room)
+        moved += _place_reductions(reductions, budget=budgets[1], room=room)
+        after = lifetimes.peak()
         if after <= before + allowance:
             return ReorderResult(
                 moved=moved, peak_before=before, peak_after=after, allowance=allowance, budgets=budgets
@@ -276,18 +304,23 @@ def reorder_all_gathers(
     config: ReorderConfig,
     groups: Collection[tuple[int, ...]] | None = None,
     budget: int | None = None,
-    room: _Room | None = None,
 ) -> int:
     """Prefetch all-gathers (on `groups`, if given) and sink their waits to first use; returns how
-    many launches moved earlier. `budget`: bytes of prefetched gathered buffers (default: the config's);
-    `room`: if given, a gather is prefetched only as far as the live bytes leave room for it."""
+    many launches moved earlier. `budget`: bytes of prefetched gathered buffers (default: the config's)."""
     gathers = _prefetchable_gathers(graph, groups)
-    for g in gathers:  # wait (and unpacking) right before the first use
-        _move_before(g.first_use, [g.wait, *g.landing])
-    moved, previous_anchor = 0, 0
-    sizes = [_out_bytes(g.wait) for g in gathers]
     if budget is None:
-        budget = config.max_in_flight_bytes or config.prefetch_depth * max(sizes, default=0)
+        budget = config.max_in_flight_bytes or config.prefetch_depth * max((g.size for g in gathers), default=0)
+    return _place_gathers(gathers, config=config, budget=budget)
+
+
+def _place_gathers(gathers: list[_Gather], *, config: ReorderConfig, budget: int, room: _Room | None = None) -> int:
+    """`reorder_all_gathers` on gathers found before; `room`: if given, a gather is prefetched only as
+    far as the live bytes leave room for it."""
+    gathers = sorted(gathers, key=lambda g: min(g.consumers))  # by first use
+    for g in gathers:  # wait (and unpacking) right before the first use
+        _move_before(min(g.consumers), [g.wait, *g.landing])
+    moved, previous_anchor = 0, 0
+    sizes = [g.size for g in gathers]
     for j, g in enumerate(gathers):
         depth = min(config.prefetch_depth, j)
         while depth > 0 and sum(sizes[j - depth + 1 : j + 1]) > budget:
@@ -312,28 +345,30 @@ def reorder_reductions(
     config: ReorderConfig,
     groups: Collection[tuple[int, ...]] | None = None,
     budget: int | None = None,
-    room: _Room | None = None,
 ) -> int:
     """Launch each gradient reduction (on `groups`, if given) right after its inputs exist, wait as
     late as the budget allows; returns how many waits moved. `budget`: bytes of the inputs of the
-    reductions in flight (default: the config's, or the largest reduction's input); `room`: if given,
-    a wait is delayed only as far as the live bytes leave room for the reduction's input."""
-    reductions = find_fsdp_reductions(graph, groups=groups)
-    # each launch with its chain: the same nodes before and after they move
-    chains = {r.launch: [*_reduction_launch_chain(r.launch), r.launch] for r in reductions}
+    reductions in flight (default: the config's, or the largest reduction's input)."""
+    reductions = _fsdp_reductions(graph, groups)
+    if budget is None:
+        budget = config.max_in_flight_bytes or max((r.size for r in reductions), default=0)
+    return _place_reductions(reductions, budget=budget)
+
+
+def _place_reductions(reductions: list[_Reduction], *, budget: int, room: _Room | None = None) -> int:
+    """`reorder_reductions` on reductions found before; `room`: if given, a wait is delayed only as
+    far as the live bytes leave room for the reduction's input."""
     for r in reductions:  # as soon as possible: each chain node right after its latest input
-        for node in sorted(chains[r.launch]):
+        for node in sorted(r.chain):
             inputs = node.all_input_nodes
             if inputs and (latest := max(inputs)).next is not node:
                 latest.append(node)
-    reductions.sort(key=lambda r: r.launch)
-    launch_of = [min(chains[r.launch]) for r in reductions]
-    sizes = [_out_bytes(r.sent) for r in reductions]
-    if budget is None:
-        budget = config.max_in_flight_bytes or max(sizes, default=0)
+    reductions = sorted(reductions, key=lambda r: r.launch)
+    launch_of = [min(r.chain) for r in reductions]
+    sizes = [r.size for r in reductions]
     moved = 0
     for i, r in enumerate(reductions):
-        landing, consumers = _landing(r.wait)
+        landing, consumers = r.landing, r.consumers
         limits = [min(consumers)] if consumers else []
         in_flight = sizes[i]
         for m in range(i + 1, len(reductions)):
@@ -360,11 +395,11 @@ def reorder_reductions(
     return moved
 
 
-def _wait_reductions_at_launch(graph: fx.Graph, groups: Collection[tuple[int, ...]] | None) -> None:
+def _wait_reductions_at_launch(reductions: list[_Reduction]) -> None:
     """Each gradient reduction's wait (with its landing) right after its launch: none overlaps anything."""
-    for r in find_fsdp_reductions(graph, groups=groups):
+    for r in reductions:
         if r.launch.next is not r.wait:
-            _move_before(r.launch.next, [r.wait, *_landing(r.wait)[0]])
+            _move_before(r.launch.next, [r.wait, *r.landing])
 
 
 def _delay_within(room: _Room, wait: fx.Node, limit: fx.Node, held: int, *, stops: list[fx.Node]) -> fx.Node:

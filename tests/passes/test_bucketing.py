@@ -185,14 +185,16 @@ def _launch_wait_order(graph: torch.fx.Graph, predicate) -> list[str]:
     return order
 
 
-def _reordered_graphs(fake_world8, reorder: ReorderConfig, *, backend: str = "inductor", graph_pass=None):
+def _reordered_graphs(fake_world8, reorder: ReorderConfig, *, backend: str = "inductor"):
+    """(the forward and backward graphs after a pass bucketing per block and reordering, that pass)."""
     torch.compiler.reset()  # a fresh compile: Dynamo would reuse the previous model's graph
     mesh = init_device_mesh("cpu", (8,))
     model = simplefsdp.wrap(Transformer(L8), mesh, passes=None)
     tokens = torch.randint(0, L8.vocab_size, (2, 8))
     blocks = tuple(find_repeated_blocks(model))
-    graph_pass = graph_pass or FsdpPass(PassConfig(bucket=BucketConfig(blocks=blocks), reorder=reorder))
-    return record_step(model, lambda compiled: compiled(tokens).sum(), graph_pass=graph_pass, backend=backend).post
+    graph_pass = FsdpPass(PassConfig(bucket=BucketConfig(blocks=blocks), reorder=reorder))
+    step = record_step(model, lambda compiled: compiled(tokens).sum(), graph_pass=graph_pass, backend=backend)
+    return step.post, graph_pass
 
 
 def test_no_peak_growth_still_prefetches_where_there_is_room(fake_world8):
@@ -203,10 +205,8 @@ def test_no_peak_growth_still_prefetches_where_there_is_room(fake_world8):
 
     peaks, prefetched = {}, {}
     for growth in (0, None):
-        blocks = tuple(find_repeated_blocks(Transformer(L8)))
-        config = PassConfig(bucket=BucketConfig(blocks=blocks), reorder=ReorderConfig(max_peak_growth_bytes=growth))
-        graph_pass = FsdpPass(config)
-        forward, _ = _reordered_graphs(fake_world8, config.reorder, backend=AOT_EAGER, graph_pass=graph_pass)
+        reorder = ReorderConfig(max_peak_growth_bytes=growth)
+        (forward, _), graph_pass = _reordered_graphs(fake_world8, reorder, backend=AOT_EAGER)
         assert len(graph_pass.reorders) == 2
         peaks[growth] = [(r.peak_before, r.peak_after, r.allowance) for r in graph_pass.reorders]
         prefetched[growth] = graph_pass.moved
@@ -224,9 +224,9 @@ def test_prefetch_depth_and_memory_budget(fake_world8):
     from simplefsdp.passes.collectives import is_all_gather, is_reduce_scatter
 
     n = L8.n_layers + 1
-    forward, _ = _reordered_graphs(fake_world8, ReorderConfig(prefetch_depth=2))
+    (forward, _), _ = _reordered_graphs(fake_world8, ReorderConfig(prefetch_depth=2))
     assert _launch_wait_order(forward, is_all_gather)[:4] == ["L0", "L1", "L2", "W"]
-    forward, backward = _reordered_graphs(fake_world8, ReorderConfig(max_in_flight_bytes=1))
+    (forward, backward), _ = _reordered_graphs(fake_world8, ReorderConfig(max_in_flight_bytes=1))
     assert _launch_wait_order(forward, is_all_gather) == [x for i in range(n) for x in (f"L{i}", "W")]
     assert _launch_wait_order(backward, is_reduce_scatter) == [x for i in range(n) for x in (f"L{i}", "W")]
     with pytest.raises(ValueError, match="prefetch_depth must be >= 0"):

@@ -7,7 +7,7 @@ from torch import fx
 
 from simplefsdp._compat import FakeTensorMode
 from simplefsdp._compat import c10d_functional as c10d
-from simplefsdp.passes.liveness import COMM_BUFFERS, REDUCED_GRADIENTS, graph_peak, not_alike, peak_bytes
+from simplefsdp.passes.liveness import COMM_BUFFERS, REDUCED_GRADIENTS, Lifetimes, graph_peak, not_alike, peak_bytes
 
 aten = torch.ops.aten
 MIB = 2**20
@@ -48,6 +48,24 @@ def test_a_collectives_input_lives_until_its_wait():
     assert peak.at_peak[REDUCED_GRADIENTS] == MIB // 2
     assert peak.end_bytes == MIB // 2 + 2 * MIB, "what the graph returns"
     assert graph_peak(graph, skip_inputs={"x", "w", "w2"}).peak_bytes == 1 * MIB + MIB // 2 + 2 * MIB
+
+
+def test_lifetimes_walk_the_current_order_after_moves():
+    """One `Lifetimes` serves many orders of the same nodes: after the wait moves next to its launch
+    (the gradient dies before the 2 MiB matmul) and back, each walk equals a fresh one."""
+    graph, n = _reduce_then_compute()
+    lifetimes = Lifetimes(graph)
+    late = MIB // 4 + 2 * MIB + 1 * MIB + MIB // 2 + 2 * MIB
+    assert lifetimes.peak() == late
+    n["big"].append(n["wait"])  # (already after big: no change) then before it
+    n["rs"].append(n["wait"])
+    early = MIB // 4 + 2 * MIB + MIB // 2 + 2 * MIB  # x, w2, the shard, big: the gradient is freed
+    assert lifetimes.peak() == Lifetimes(graph).peak() == early
+    along = lifetimes.along()
+    assert list(along) == list(graph.nodes)
+    assert max(along.values()) == early
+    n["big"].append(n["wait"])
+    assert lifetimes.peak() == late
 
 
 def test_peak_bytes_counts_what_every_rank_holds_alike():

@@ -121,7 +121,7 @@ def test_a_reorder_that_grows_the_peak_too_much_is_undone(monkeypatch):
     graph = _two_gradients_reduced_late()
     original = _order(graph)
     walks = iter([100, *[10**9] * len(module._RETRY_FRACTIONS)])  # before, then every attempt: too much
-    monkeypatch.setattr(module, "peak_bytes", lambda graph, skip: next(walks))
+    monkeypatch.setattr(module.Lifetimes, "peak", lambda self: next(walks))
     result = reorder(graph, config=ReorderConfig())
     graph.lint()
     assert _order(graph) == original
