@@ -271,3 +271,34 @@ def test_the_wrapped_forward_keeps_its_signature(fake_world8):
 
     model = simplefsdp.wrap(Named())
     assert list(inspect.signature(model.forward).parameters) == ["input_ids", "labels"]
+
+
+def test_the_pass_pauses_the_garbage_collector_and_restores_it(monkeypatch):
+    """[Note: the collector paused during the pass]: off while the pass runs, back as it was after --
+    also when the pass raises, and left off if the caller had turned it off."""
+    import gc
+
+    from simplefsdp.passes import fsdp_pass
+
+    seen = []
+
+    def run(self, graph):
+        seen.append(gc.isenabled())
+        if len(seen) == 2:
+            raise RuntimeError("the pass failed")
+
+    monkeypatch.setattr(fsdp_pass.FsdpPass, "_run", run)
+    graph_pass, was = FsdpPass(), gc.isenabled()
+    try:
+        gc.enable()
+        graph_pass(fx.Graph())
+        assert gc.isenabled()
+        with pytest.raises(RuntimeError, match="the pass failed"):
+            graph_pass(fx.Graph())
+        assert gc.isenabled()
+        gc.disable()
+        graph_pass(fx.Graph())
+        assert not gc.isenabled()
+    finally:
+        (gc.enable if was else gc.disable)()
+    assert seen == [False, False, False]
