@@ -164,26 +164,20 @@ def _out_bytes(node: fx.Node) -> int:
 
 
 @dataclasses.dataclass(frozen=True)
-class _Gather:
+class _Movable:
+    """A collective the reorder places, with what moves along with it."""
+
     launch: fx.Node
     wait: fx.Node
-    chain: list[fx.Node]  # data movement from graph inputs to the launch
+    # a gather: the data movement from graph inputs to its launch; a reduction: the data movement
+    # from the gradients' producers, and the launch itself
+    chain: list[fx.Node]
     landing: list[fx.Node]  # the wait's unpacking ops
     consumers: list[fx.Node]  # the other users of the wait and of its landing
-    size: int  # bytes gathered
+    size: int  # bytes gathered / sent (the full gradient)
 
 
-@dataclasses.dataclass(frozen=True)
-class _Reduction:
-    launch: fx.Node
-    wait: fx.Node
-    chain: list[fx.Node]  # data movement from the gradients' producers, and the launch itself
-    landing: list[fx.Node]
-    consumers: list[fx.Node]
-    size: int  # bytes sent (the full gradient)
-
-
-def _prefetchable_gathers(graph: fx.Graph, groups: Collection[tuple[int, ...]] | None) -> list[_Gather]:
+def _prefetchable_gathers(graph: fx.Graph, groups: Collection[tuple[int, ...]] | None) -> list[_Movable]:
     """All-gathers on `groups` (another parallelism's, e.g. tensor parallel's, are not ours to move)
     whose input is data movement from graph inputs, with their wait and its users."""
     found = []
@@ -194,17 +188,17 @@ def _prefetchable_gathers(graph: fx.Graph, groups: Collection[tuple[int, ...]] |
         landing, consumers = _landing(gather.wait)
         if chain is None or not consumers:
             continue
-        found.append(_Gather(gather.launch, gather.wait, chain, landing, consumers, _out_bytes(gather.wait)))
+        found.append(_Movable(gather.launch, gather.wait, chain, landing, consumers, _out_bytes(gather.wait)))
     return found
 
 
-def _fsdp_reductions(graph: fx.Graph, groups: Collection[tuple[int, ...]] | None) -> list[_Reduction]:
+def _fsdp_reductions(graph: fx.Graph, groups: Collection[tuple[int, ...]] | None) -> list[_Movable]:
     """The gradient reductions (`detect.find_fsdp_reductions`) with their chains and landings."""
     found = []
     for r in find_fsdp_reductions(graph, groups=groups):
         landing, consumers = _landing(r.wait)
         chain = [*_reduction_launch_chain(r.launch), r.launch]
-        found.append(_Reduction(r.launch, r.wait, chain, landing, consumers, _out_bytes(r.sent)))
+        found.append(_Movable(r.launch, r.wait, chain, landing, consumers, _out_bytes(r.sent)))
     return found
 
 
@@ -313,7 +307,7 @@ def reorder_all_gathers(
     return _place_gathers(gathers, config=config, budget=budget)
 
 
-def _place_gathers(gathers: list[_Gather], *, config: ReorderConfig, budget: int, room: _Room | None = None) -> int:
+def _place_gathers(gathers: list[_Movable], *, config: ReorderConfig, budget: int, room: _Room | None = None) -> int:
     """`reorder_all_gathers` on gathers found before; `room`: if given, a gather is prefetched only as
     far as the live bytes leave room for it."""
     gathers = sorted(gathers, key=lambda g: min(g.consumers))  # by first use
@@ -355,7 +349,7 @@ def reorder_reductions(
     return _place_reductions(reductions, budget=budget)
 
 
-def _place_reductions(reductions: list[_Reduction], *, budget: int, room: _Room | None = None) -> int:
+def _place_reductions(reductions: list[_Movable], *, budget: int, room: _Room | None = None) -> int:
     """`reorder_reductions` on reductions found before; `room`: if given, a wait is delayed only as
     far as the live bytes leave room for the reduction's input."""
     for r in reductions:  # as soon as possible: each chain node right after its latest input
@@ -395,7 +389,7 @@ def _place_reductions(reductions: list[_Reduction], *, budget: int, room: _Room 
     return moved
 
 
-def _wait_reductions_at_launch(reductions: list[_Reduction]) -> None:
+def _wait_reductions_at_launch(reductions: list[_Movable]) -> None:
     """Each gradient reduction's wait (with its landing) right after its launch: none overlaps anything."""
     for r in reductions:
         if r.launch.next is not r.wait:

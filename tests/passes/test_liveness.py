@@ -57,8 +57,7 @@ def test_lifetimes_walk_the_current_order_after_moves():
     lifetimes = Lifetimes(graph)
     late = MIB // 4 + 2 * MIB + 1 * MIB + MIB // 2 + 2 * MIB
     assert lifetimes.peak() == late
-    n["big"].append(n["wait"])  # (already after big: no change) then before it
-    n["rs"].append(n["wait"])
+    n["rs"].append(n["wait"])  # the wait right after its launch, before big
     early = MIB // 4 + 2 * MIB + MIB // 2 + 2 * MIB  # x, w2, the shard, big: the gradient is freed
     assert lifetimes.peak() == Lifetimes(graph).peak() == early
     along = lifetimes.along()
