@@ -49,6 +49,7 @@ __all__ = [
     "is_reduce_scatter",
     "is_view_of_input",
     "is_wait",
+    "merge_repeated_waits",
     "owner_of",
     "parse_collective",
     "passes_value_through",
@@ -217,6 +218,29 @@ def find_collectives(
     nodes = sorted(n for target in targets for n in graph.find_nodes(op="call_function", target=target, sort=False))
     found = [parse_collective(node) for node in nodes]
     return [collective for collective in found if collective.in_groups(groups)]
+
+
+def merge_repeated_waits(graph: fx.Graph) -> int:
+    """Give every collective launch that several `wait_tensor` nodes read one wait (the first in
+    graph order), so that `parse_collective` sees its wait; returns how many waits were removed.
+
+    [Note: a launch with two waits]
+    Inductor eliminates common subexpressions, collectives included: when two parameters' gradients
+    are the same value (a ResNet block's residual and shortcut BatchNorm biases: one sum of the same
+    tensor), their two reduce-scatters become one launch read by two waits. A launch with more than
+    one user has no `wait` in its `Collective`, so it would be neither bucketed nor reordered. Waiting
+    twice on one launch returns the same tensor, so the second wait's readers read the first's."""
+    removed = 0
+    for collective in find_collectives(graph):
+        waits = [user for user in collective.launch.users if is_wait(user)]
+        if len(waits) < 2 or len(waits) != len(collective.launch.users):
+            continue
+        first, *others = sorted(waits)
+        for other in others:
+            other.replace_all_uses_with(first)
+            graph.erase_node(other)
+            removed += 1
+    return removed
 
 
 def collective_counts(graph: fx.Graph) -> Counter[str]:

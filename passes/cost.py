@@ -282,18 +282,60 @@ def _moves_no_data(node: fx.Node) -> bool:
     return is_view_of_input(node) or is_communication(node)
 
 
+def _attention_flops(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, matmuls: int) -> int:
+    """FLOPs of `matmuls` attention-sized matmuls: each of q @ k^T, p @ v and the backward's
+    re-computed scores and three gradients is 2 * batch * query heads * s_q * s_k * head dim
+    (grouped-query attention: every query head attends, so query heads count)."""
+    batch, heads, s_q, head_dim = query.shape
+    return matmuls * 2 * batch * heads * s_q * key.shape[-2] * max(head_dim, value.shape[-1])
+
+
+# [Note: attention on the CPU]
+# The CPU's fused attention (`_scaled_dot_product_flash_attention_for_cpu` and its backward, what
+# inductor's graphs call on the CPU) has no formula in torch's FLOP registry, whose flash entries are
+# the CUDA kernels'. Without one, a CPU graph's attention cost only its bytes, so a CPU step's
+# predicted time left attention's matmuls out. The
+# forward is two attention-sized matmuls, the backward five (scores re-computed, then the gradients of
+# the probabilities, values, queries and keys). Arguments: (query, key, value, ...), and for the
+# backward (grad_out, query, key, value, ...).
+def _cpu_attention_forward_flops(query, key, value, *args, **kwargs) -> int:
+    return _attention_flops(query, key, value, matmuls=2)
+
+
+def _cpu_attention_backward_flops(grad_out, query, key, value, *args, **kwargs) -> int:
+    return _attention_flops(query, key, value, matmuls=5)
+
+
+_CPU_ATTENTION = {
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: _cpu_attention_forward_flops,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward: _cpu_attention_backward_flops,
+}
+
+
+def counts_flops(node: fx.Node) -> bool:
+    """A matmul, convolution or attention: an op with a FLOP formula (torch's registry, or
+    [Note: attention on the CPU])."""
+    packet = getattr(node.target, "overloadpacket", None)
+    return packet in flop_registry or packet in _CPU_ATTENTION
+
+
+def node_flops(node: fx.Node) -> int:
+    """FLOPs of one node (0 for an op without a formula, see `counts_flops`)."""
+    packet = getattr(node.target, "overloadpacket", None)
+    formula = flop_registry.get(packet) or _CPU_ATTENTION.get(packet)
+    if formula is None or "val" not in node.meta:
+        return 0
+    args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta.get("val"))
+    return formula(*args, **kwargs, out_val=node.meta["val"])
+
+
 def node_seconds(device: DeviceProfile, node: fx.Node) -> float:
     """Roofline seconds of one compute node (0 for placeholders, outputs and what moves no data)."""
     if node.op != "call_function" or "val" not in node.meta or _moves_no_data(node):
         return 0.0
-    target = node.target
     args = fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta.get("val"))
-    flops = 0
-    formula = flop_registry.get(getattr(target, "overloadpacket", None))
-    if formula is not None:
-        flops = formula(*args[0], **args[1], out_val=node.meta["val"])
     moved = _tensor_bytes(args) + _tensor_bytes(node.meta["val"])
-    return max(flops / device.flops_per_s, moved / device.memory_bytes_per_s)
+    return max(node_flops(node) / device.flops_per_s, moved / device.memory_bytes_per_s)
 
 
 def compute_between(device: DeviceProfile, graph: fx.Graph, marks: list[fx.Node]) -> list[float]:

@@ -25,7 +25,7 @@ from simplefsdp._compat import CustomGraphPass
 from simplefsdp.passes import cost
 from simplefsdp.passes.auto_plan import plan_auto
 from simplefsdp.passes.bucket import apply_all_gather_buckets, apply_reduction_buckets
-from simplefsdp.passes.collectives import Collective
+from simplefsdp.passes.collectives import Collective, merge_repeated_waits
 from simplefsdp.passes.detect import find_fsdp_all_gathers, find_fsdp_reductions
 from simplefsdp.passes.liveness import peak_bytes
 from simplefsdp.passes.plan import (
@@ -176,6 +176,7 @@ class FsdpPass(CustomGraphPass):
 
     def _run(self, graph: fx.Graph) -> None:
         self.graphs += 1
+        merge_repeated_waits(graph)  # [Note: a launch with two waits]
         merged, depth = _bucket(graph, self.config.bucket, self.groups) if self.config.bucket is not None else (0, None)
         moved = 0
         if self.config.reorder is not None:

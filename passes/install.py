@@ -124,7 +124,9 @@ def configured_passes(current: object) -> tuple[object, ...]:
     return (current,)
 
 
-_DEVICES = ("cpu", "cuda", "xpu")  # device types the chain is installed for (it runs once per graph)
+# device types the chain is installed for (it runs once per graph); "meta": the dry run runs
+# inductor's post-grad passes on meta-device models (simplefsdp/inspect/capture.py)
+_DEVICES = ("cpu", "cuda", "xpu", "meta")
 
 
 class _AfterFakeUpdate(CustomGraphModulePass):

@@ -358,7 +358,7 @@ def _place_reductions(reductions: list[_Movable], *, budget: int, room: _Room | 
             if inputs and (latest := max(inputs)).next is not node:
                 latest.append(node)
     reductions = sorted(reductions, key=lambda r: r.launch)
-    launch_of = [min(r.chain) for r in reductions]
+    launch_of = [_first_buffer(r) for r in reductions]
     sizes = [r.size for r in reductions]
     moved = 0
     for i, r in enumerate(reductions):
@@ -368,7 +368,8 @@ def _place_reductions(reductions: list[_Movable], *, budget: int, room: _Room | 
         for m in range(i + 1, len(reductions)):
             in_flight += sizes[m]
             if in_flight > budget:
-                if launch_of[m] not in landing:  # else m reads r's result (HYBRID): it launches after r's wait
+                # unless m reads r's result (HYBRID): then it launches after r's wait anyway
+                if min(reductions[m].chain) not in landing:
                     limits.append(launch_of[m])
                 break
         if not limits:
@@ -387,6 +388,20 @@ def _place_reductions(reductions: list[_Movable], *, budget: int, room: _Room | 
                 _move_before(target, [r.wait, *landing])
                 moved += 1
     return moved
+
+
+def _first_buffer(reduction: _Movable) -> fx.Node:
+    """Where a reduction's launch starts to hold memory: the first node of its chain that allocates
+    (the gradient's cast or the bucket's copy-in), else the launch.
+
+    [Note: a reduction starts at its first buffer]
+    A reduction's chain also holds views of the gradients (transposes, reshapes), each placed right
+    after its gradient's producer, which can be early in the block's backward. They hold no memory,
+    so a wait delayed past them keeps nothing more alive than one stopped before them: limiting the
+    delay at the chain's first node made the placement depend on where the gradients' views happen
+    to sit (one model's backward traced with the CPU's attention kernel and with the CUDA one, equal
+    in memory, got different orders: the CUDA one's extra views sit earlier)."""
+    return min((node for node in reduction.chain if allocates(node)), default=reduction.launch)
 
 
 def _wait_reductions_at_launch(reductions: list[_Movable]) -> None:

@@ -184,6 +184,32 @@ all_gather_single = getattr(dist, "all_gather_single", dist.all_gather_into_tens
 reduce_scatter_single = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
 
 
+def compile_front_half(gm: torch.fx.GraphModule, example_inputs, *, inner_compile):
+    """Inductor's compile of `gm` up to, not including, code generation: inductor's decompositions,
+    joint-graph passes and partitioner run, then `inner_compile(graph_module, example_inputs,
+    is_inference=..., ...)` gets each partitioned graph and returns what runs in its place (a boxed
+    callable). With `run_post_grad_passes` inside it, this is the dry run's capture
+    (`inspect/capture.py`). torch._inductor.compile_fx.compile_fx (its `inner_compile` argument,
+    called with `is_inference=`): checked on 2.13; read in 2.11's source, same signature."""
+    from torch._inductor.compile_fx import compile_fx
+
+    return compile_fx(gm, example_inputs, inner_compile=inner_compile)
+
+
+def run_post_grad_passes(gm: torch.fx.GraphModule, example_inputs, *, is_inference: bool) -> None:
+    """Inductor's post-grad passes on `gm`, in place (the installed custom passes, ours among them,
+    run inside), as inductor's own inner compile runs them: under the fake mode of the graph's
+    inputs, set where the passes look it up. torch._inductor.compile_fx._recursive_post_grad_passes,
+    torch._inductor.virtualized.V.set_fake_mode, torch._guards.detect_fake_mode: checked on 2.13;
+    read in 2.11's source, present with the same signatures."""
+    from torch._guards import detect_fake_mode
+    from torch._inductor.compile_fx import _recursive_post_grad_passes
+    from torch._inductor.virtualized import V
+
+    with V.set_fake_mode(detect_fake_mode(example_inputs)):
+        _recursive_post_grad_passes(gm, is_inference=is_inference)
+
+
 def allocator_events(prof) -> list[tuple[int, int, int]]:
     """(start in ns, signed bytes, tensor bytes allocated after it) of every allocator event a
     finished `torch.profiler.profile(..., profile_memory=True)` recorded, sorted by time.

@@ -20,12 +20,13 @@ from torch import fx, nn
 from simplefsdp.blocks import block_of, find_repeated_blocks
 from simplefsdp.inspect.capture import StepCapture
 from simplefsdp.passes.collectives import (
+    Collective,
     find_collectives,
     is_cast_or_pad,
     is_collective,
     passes_value_through,
 )
-from simplefsdp.passes.detect import find_fsdp_all_gathers, find_fsdp_reductions
+from simplefsdp.passes.detect import find_fsdp_all_gathers
 from simplefsdp.passes.walk import upstream
 
 __all__ = ["BucketRow", "bucket_table", "module_summary"]
@@ -57,8 +58,43 @@ def _sources(node: fx.Node) -> set[str]:
 
 def _owners(pre: fx.Graph) -> list[tuple[str, set[str], str]]:
     """(kind, sources, parameter FQN) of every FSDP collective of the pre-pass graph."""
-    tagged = [(c.kind, c.launch, c.owner) for c in [*find_fsdp_all_gathers(pre), *find_fsdp_reductions(pre)]]
+    tagged = [(c.kind, c.launch, c.owner) for c in [*find_fsdp_all_gathers(pre), *_reductions(pre)]]
     return [(kind, _sources(node), owner) for kind, node, owner in tagged if owner]
+
+
+def _reductions(pre: fx.Graph) -> list[Collective]:
+    """The reductions of a pre-pass graph, a launch read by two waits included ([Note: a launch with
+    two waits]: the pass merges them, the pre-pass graph still has both)."""
+    return find_collectives(pre, kinds=("reduce_scatter", "all_reduce"))
+
+
+def _shared_reduction_owners(
+    backward_pre: fx.Graph, forward_pre: fx.Graph, owners: list[tuple[str, set[str], str]]
+) -> list[tuple[str, set[str], str]]:
+    """(kind, sources, parameter FQN) for the parameters whose gradient a reduction tagged with
+    another parameter carries.
+
+    [Note: one reduction, two parameters]
+    Inductor eliminates common subexpressions, collectives included ([Note: a launch with two
+    waits]): one reduce-scatter can carry two parameters' gradients, tagged with one owner. The other
+    parameter is found from the graphs' shapes instead: the backward returns the gradient of the
+    forward's i-th input at position i, and a forward input that an FSDP all-gather reads is that
+    gather's parameter."""
+    inputs = {node: i for i, node in enumerate(forward_pre.find_nodes(op="placeholder"))}
+    parameter_at = {
+        inputs[g.source]: g.owner for g in find_fsdp_all_gathers(forward_pre) if g.owner and g.source in inputs
+    }
+    reduced = {owner for kind, _, owner in owners if kind != "all_gather"}
+    reductions = [(r.kind, _sources(r.launch)) for r in _reductions(backward_pre) if r.owner]
+    (gradients,) = backward_pre.find_nodes(op="output")[0].args
+    found = []
+    for i, gradient in enumerate(gradients):
+        fqn = parameter_at.get(i)
+        if fqn is None or fqn in reduced or not isinstance(gradient, fx.Node):
+            continue
+        sources = {gradient.name} | _sources(gradient)
+        found.extend((kind, s, fqn) for kind, s in reductions if s and s <= sources)
+    return found
 
 
 def module_summary(modules: tuple[str, ...], *, limit: int = 3) -> str:
@@ -74,8 +110,12 @@ def _module_of(fqn: str, blocks: list[str]) -> str:
     return block if block is not None else fqn.rpartition(".")[0]
 
 
-def _rows(graph: fx.Graph, pre: fx.Graph, phase: str, model: nn.Module, start: int) -> list[BucketRow]:
+def _rows(
+    graph: fx.Graph, pre: fx.Graph, phase: str, model: nn.Module, start: int, forward_pre: fx.Graph | None = None
+) -> list[BucketRow]:
     owners = _owners(pre)
+    if forward_pre is not None:
+        owners += _shared_reduction_owners(pre, forward_pre, owners)
     blocks = find_repeated_blocks(model)
     numel = {fqn: p.numel() for fqn, p in model.named_parameters()}
     rows = []
@@ -104,4 +144,7 @@ def bucket_table(capture: StepCapture) -> list[BucketRow]:
     """One row per collective the compiled step launches, forward then backward, in graph order.
     Needs the process groups the graphs name (the capture's world) to still exist."""
     forward = _rows(capture.forward, capture.forward_pre, "forward", capture.model, 0)
-    return forward + _rows(capture.backward, capture.backward_pre, "backward", capture.model, len(forward))
+    backward = _rows(
+        capture.backward, capture.backward_pre, "backward", capture.model, len(forward), capture.forward_pre
+    )
+    return forward + backward

@@ -6,14 +6,24 @@ were before it), plus, when `code=True`, the Python source inductor generated fo
 graphs are recorded by `record.py`; this module adds what a dry run needs on top: checks of the
 model and the input, and the choice of compiler by the model's device.
 
-Two ways to compile, picked by the model's device:
+The graphs are inductor's: `code=True` compiles with inductor (real tensors only) and keeps its
+output code; otherwise the capture runs inductor's compile up to its code generation
+(decompositions, joint-graph passes, partitioner, post-grad passes with simplefsdp's pass among
+them) and then runs the post-grad graphs eagerly, op by op, so meta tensors work (a model built under
+`torch.device("meta")`, e.g. a 405B-shaped one: fake tensors all the way, no memory) and no code
+is generated. See [Note: why inductor's graphs].
 
-- real tensors (a small model on the CPU): inductor when `code=True`, else the
-  `simplefsdp_aot_eager` backend; the step really runs (on the fake process group the
-  collectives move no data, which is fine: only the graphs matter);
-- meta tensors (a model built under `torch.device("meta")`, e.g. a 405B-shaped one): the
-  `simplefsdp_aot_eager` path with fake tensors all the way, no memory, no inductor; the graphs
-  are the same partitioned post-grad graphs the passes see, before inductor's lowering.
+[Note: why inductor's graphs]
+The pass decides by room: its reorder delays a reduction's wait, or prefetches a gather, when the
+graph's live bytes allow it. Graphs recorded with the `simplefsdp_aot_eager` backend (undecomposed,
+aot_eager's partitioner) are not the graphs inductor compiles: on a 4-block Llama-style model at 2
+ranks, that backward received 9.3 MiB of saved activations where inductor's received 5.5 MiB, and
+the pass, seeing less room, waited every reduce-scatter at once where under inductor it delayed each
+past the next re-gather. A dry run on those graphs predicted an order the compiled step does not
+run: its FULL_SHARD peak was 17-18% under the measured one on 2 and 4 ranks; on inductor's graphs
+(and with the pass's [Note: a reduction starts at its first buffer], without which the meta
+graph's attention kernel, laid out differently from the CPU's, still moved the pass's choice) it
+is 7% under on both (`bench/inspect_validate.py`).
 
 [Note: attention on the meta device]
 On meta, `F.scaled_dot_product_attention` picks the math fallback: it would trace a `[B, H, S, S]`
@@ -22,6 +32,14 @@ So on meta the Dynamo graph's SDPA calls without a mask are rewritten to
 `aten._scaled_dot_product_flash_attention` (meta kernel, autograd formula and FLOP formula all
 exist), so the cost and memory models see the kernel a GPU runs. Calls with an explicit mask keep
 the math path (that is what a GPU runs for them too, minus the fused memory-efficient kernel).
+
+[Note: no constant folding on the meta device]
+Inductor's joint-graph constant folding ends by replacing every meta tensor the joint graph returns
+with an empty one (it has no data to keep) and removing what computed it: on meta, the gradients
+(and the forward's outputs) came out of the graphs as `empty_strided` nodes, and the backward ended
+holding none of them (the dry run's memory view of a 64-rank model said so). So
+on meta the capture compiles with `joint_graph_constant_folding` off; on real tensors it stays on,
+as inductor runs it.
 
 Invariants: the pass recorded is the model's own `FsdpPass` (the one `wrap()` attached), run
 exactly once per graph, between the two records (see [Note: how graphs are recorded]).
@@ -36,13 +54,12 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from functorch.compile import make_boxed_func
 from torch import fx, nn
 
-from simplefsdp._compat import tree_leaves
+from simplefsdp._compat import compile_front_half, inductor_config, run_post_grad_passes, tree_leaves
 from simplefsdp.class_swap import user_class
 from simplefsdp.inspect.record import StepGraphs, record_step
-from simplefsdp.passes.aot_eager import BACKEND_NAME
-from simplefsdp.passes.aot_eager import backend as aot_eager_backend
 
 __all__ = ["StepCapture", "capture_step", "describe_input", "run_model"]
 
@@ -153,9 +170,21 @@ def _rewrite_attention(gm: fx.GraphModule) -> int:
     return rewritten
 
 
-def _meta_backend(gm: fx.GraphModule, example_inputs):
+def _post_grad_graph(gm: fx.GraphModule, example_inputs, **kwargs):
+    """The `inner_compile` of the capture: inductor's post-grad passes, then the graph itself, run
+    eagerly in place of inductor's code."""
+    run_post_grad_passes(gm, example_inputs, is_inference=kwargs.get("is_inference", False))
+    gm.recompile()
+    return make_boxed_func(gm)
+
+
+def _front_half_backend(gm: fx.GraphModule, example_inputs):
+    """See [Note: why inductor's graphs] and, on the meta device, [Note: attention on the meta device]."""
+    if not any(t.is_meta for t in example_inputs if isinstance(t, torch.Tensor)):
+        return compile_front_half(gm, example_inputs, inner_compile=_post_grad_graph)
     _rewrite_attention(gm)
-    return aot_eager_backend(gm, example_inputs)
+    with inductor_config.patch(joint_graph_constant_folding=False):
+        return compile_front_half(gm, example_inputs, inner_compile=_post_grad_graph)
 
 
 def capture_step(
@@ -176,7 +205,7 @@ def capture_step(
     if on_meta and code:
         raise ValueError("inductor output code needs real tensors; the example input is on the meta device")
     _check_runs(model, example_input)
-    backend = _meta_backend if on_meta else ("inductor" if code else BACKEND_NAME)
+    backend = "inductor" if code else _front_half_backend
     graphs = record_step(
         model, lambda compiled: loss_fn(run_model(compiled, example_input)), backend=backend, code=code
     )

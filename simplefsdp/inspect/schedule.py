@@ -32,7 +32,7 @@ import math
 import torch
 from torch import fx
 
-from simplefsdp._compat import flop_registry, module_fqn
+from simplefsdp._compat import module_fqn
 from simplefsdp.blocks import block_of, find_repeated_blocks
 from simplefsdp.passes import cost
 from simplefsdp.passes.collectives import Collective, is_bucket_copy, is_wait, parse_collective
@@ -147,11 +147,6 @@ class _Launch:
     wait: tuple[float, float, str] | None = None  # (wait clock, stall, waited before)
 
 
-def _has_flops(node: fx.Node) -> bool:
-    """A matmul, convolution or attention: an op `torch.utils.flop_counter` has a FLOP formula for."""
-    return getattr(node.target, "overloadpacket", None) in flop_registry
-
-
 def _close_span(spans: list[ComputeSpan], start: float, end: float, label: str) -> None:
     if end > start:
         spans.append(ComputeSpan(start_s=start, end_s=end, label=label))
@@ -205,7 +200,7 @@ def simulate(
             for launch in pending.values():
                 if launch.wait is None:
                     launch.compute_s += seconds
-                    launch.matmuls += _has_flops(node)
+                    launch.matmuls += cost.counts_flops(node)
             clock += seconds
     _close_span(spans, span_start, clock, span_label)
     events = tuple(_event(phase, launch) for launch in pending.values() if launch.wait is not None)

@@ -12,6 +12,7 @@ from simplefsdp.passes.collectives import (
     derives_from_all_gather,
     find_collectives,
     is_data_movement,
+    merge_repeated_waits,
     parse_collective,
 )
 from simplefsdp.passes.walk import reaches, upstream, walk
@@ -49,6 +50,23 @@ def _graph() -> tuple[fx.GraphModule, dict[str, fx.Node]]:
 def test_collective_counts():
     gm, _ = _graph()
     assert collective_counts(gm.graph) == {"all_gather": 1, "reduce_scatter": 1, "all_reduce": 0, "wait": 2}
+
+
+def test_a_launch_read_by_two_waits_gets_one():
+    """[Note: a launch with two waits]: inductor's CSE leaves one reduce-scatter read by two waits."""
+    gm, n = _graph()
+    g = gm.graph
+    (output,) = g.find_nodes(op="output")
+    with g.inserting_before(output):
+        second = g.call_function(c10d.wait_tensor.default, (n["rs"],))
+    output.args = ((*output.args[0], second),)
+    assert parse_collective(n["rs"]).wait is None, "two users: not a recognisable wait"
+    assert merge_repeated_waits(g) == 1
+    g.lint()
+    assert parse_collective(n["rs"]).wait is n["rs_wait"]
+    assert output.args[0][-2:] == (n["rs_wait"], n["rs_wait"])
+    assert collective_counts(g)["wait"] == 2, "the gather's wait and one reduction wait"
+    assert merge_repeated_waits(g) == 0, "nothing left to merge"
 
 
 def test_parse_collective_reads_each_kind_once():

@@ -52,6 +52,35 @@ def test_matmul_is_compute_bound_and_pointwise_memory_bound():
     assert cost.node_seconds(H100, view) == 0.0
 
 
+def test_cpu_attention_counts_its_matmuls():
+    """[Note: attention on the CPU]: the CPU's fused attention has no formula in torch's registry; the
+    cost model counts two attention-sized matmuls forward and five backward (2 * B * H * S_q * S_k * D each)."""
+    aten = torch.ops.aten
+    b, h, s, d = 2, 8, 128, 64
+    forward = _node(aten._scaled_dot_product_flash_attention_for_cpu.default, *[(b, h, s, d)] * 3)
+    one = 2 * b * h * s * s * d
+    assert cost.counts_flops(forward)
+    assert cost.node_flops(forward) == 2 * one
+    with FakeTensorMode() as mode:
+        q, k, v, grad_out = (mode.from_tensor(torch.empty(b, h, s, d)) for _ in range(4))
+        out, logsumexp = aten._scaled_dot_product_flash_attention_for_cpu.default(q, k, v)
+        grads = aten._scaled_dot_product_flash_attention_for_cpu_backward.default(
+            grad_out, q, k, v, out, logsumexp, 0.0, False
+        )
+    graph = fx.Graph()
+    inputs = []
+    for name, val in zip(("g", "q", "k", "v", "o", "l"), (grad_out, q, k, v, out, logsumexp), strict=True):
+        inputs.append(graph.placeholder(name))
+        inputs[-1].meta["val"] = val
+    backward = graph.call_function(
+        aten._scaled_dot_product_flash_attention_for_cpu_backward.default, (*inputs, 0.0, False)
+    )
+    backward.meta["val"] = grads
+    assert cost.node_flops(backward) == 5 * one
+    cpu = cost.profile("cpu-gloo")
+    assert cost.node_seconds(cpu, backward) == pytest.approx(5 * one / cpu.flops_per_s), "compute bound"
+
+
 def test_reshape_is_free_only_when_it_is_a_view():
     """A reshape of a contiguous tensor is a view (free); of a transposed one, a copy (memory bound);
     `getitem` picks one output of a multi-output op and moves nothing."""

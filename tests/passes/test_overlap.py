@@ -163,7 +163,9 @@ def _reductions_overlap(events: list[tuple[str, str]], reduce_names: list[str], 
 
 def _assert_reductions_launch_on_their_last_gradient(graph: fx.Graph) -> None:
     """Between the last op producing a bucket's gradients and its reduce-scatter's launch there is only
-    that launch's own chain: the copy-in, and views feeding it."""
+    that launch's own chain -- the copy-in, and views feeding it -- and the wait of the reduction in
+    flight with what unpacks it (the one-reduction budget waits it just before the copy-in, [Note: a
+    reduction starts at its first buffer])."""
     for launch in filter(is_reduce_scatter, graph.nodes):
         chain, stack = set(), [launch.args[0]]
         while stack:
@@ -178,7 +180,11 @@ def _assert_reductions_launch_on_their_last_gradient(graph: fx.Graph) -> None:
         while node is not launch:
             between.append(node)
             node = node.next
-        unrelated = [n.name for n in between if n not in chain]
+        landed: set[fx.Node] = set()
+        for node in between:
+            if is_wait(node) or (node.all_input_nodes and all(i in landed for i in node.all_input_nodes)):
+                landed.add(node)
+        unrelated = [n.name for n in between if n not in chain and n not in landed]
         assert not unrelated, f"{launch.name} launches after unrelated ops {unrelated}"
 
 

@@ -67,6 +67,17 @@ def test_the_derived_budget_keeps_one_reduction_in_flight():
     assert result.peak_after <= result.peak_before + result.allowance
 
 
+def _adder(graph: fx.Graph):
+    """`add(target, args, val)`: appends a call of `target` to `graph`, its `meta["val"]` set to `val`."""
+
+    def add(target, args, val: torch.Tensor) -> fx.Node:
+        node = graph.call_function(target, args)
+        node.meta["val"] = val
+        return node
+
+    return add
+
+
 def _reduction_before_a_big_temporary() -> fx.Graph:
     """g1 = mm, reduce-scatter g1, wait; then a [64, 64] temporary lives and dies (the graph's peak);
     then g2 = mm, reduce-scatter g2, wait. Delaying g1's wait to g2's launch holds g1 across the peak."""
@@ -76,11 +87,7 @@ def _reduction_before_a_big_temporary() -> fx.Graph:
         grad = aten.mm.default(x, w)
         shard = c10d.reduce_scatter_tensor.default(grad, "sum", 8, "0")
     graph = fx.Graph()
-
-    def add(target, args, val: torch.Tensor) -> fx.Node:
-        node = graph.call_function(target, args)
-        node.meta["val"] = val
-        return node
+    add = _adder(graph)
 
     x_in, w_in, big_in = (graph.placeholder(name) for name in ("x", "w", "b"))
     x_in.meta["val"], w_in.meta["val"], big_in.meta["val"] = x, w, big
@@ -111,6 +118,46 @@ def test_a_wait_is_delayed_only_where_the_live_bytes_leave_room():
     graph.lint()
     assert _order(graph)[:4] == ["mm", "RS", "W", "mm"], "g1 waited before the temporary"
     assert (result.peak_after, result.allowance) == (result.peak_before, 0)
+
+
+def _second_reduction_views_an_early_gradient() -> fx.Graph:
+    """e = mm (an early gradient), e viewed flat; g1 = mm, reduce-scatter g1, wait; late = mm, viewed
+    flat; cat(view of e, view of late) reduce-scattered. The second reduction's chain starts with
+    the view of e, which sits before the first reduction even launches; its first buffer is the cat."""
+    with FakeTensorMode() as mode:
+        x, w = mode.from_tensor(torch.zeros(16, 4)), mode.from_tensor(torch.zeros(4, 4))
+        grad = aten.mm.default(x, w)
+        flat = grad.view(64)
+        both = aten.cat.default([flat, flat])
+        shard1 = c10d.reduce_scatter_tensor.default(grad, "sum", 8, "0")
+        shard2 = c10d.reduce_scatter_tensor.default(both, "sum", 8, "0")
+    graph = fx.Graph()
+    add = _adder(graph)
+
+    x_in, w_in = graph.placeholder("x"), graph.placeholder("w")
+    x_in.meta["val"], w_in.meta["val"] = x, w
+    early = add(aten.view.default, (add(aten.mm.default, (x_in, w_in), grad), [64]), flat)
+    g1 = add(aten.mm.default, (x_in, w_in), grad)
+    wait1 = add(
+        c10d.wait_tensor.default, (add(c10d.reduce_scatter_tensor.default, (g1, "sum", 8, "0"), shard1),), shard1
+    )
+    late = add(aten.view.default, (add(aten.mm.default, (x_in, w_in), grad), [64]), flat)
+    both_node = add(aten.cat.default, ([early, late],), both)
+    rs2 = add(c10d.reduce_scatter_tensor.default, (both_node, "sum", 8, "0"), shard2)
+    graph.output((wait1, add(c10d.wait_tensor.default, (rs2,), shard2)))
+    return graph
+
+
+def test_a_wait_is_delayed_past_the_next_reductions_views_to_its_first_buffer():
+    """[Note: a reduction starts at its first buffer]: the view of the early gradient holds no
+    memory, so g1's wait moves past the late gradient's matmul, to just before the cat."""
+    graph = _second_reduction_views_an_early_gradient()
+    result = reorder(graph, config=ReorderConfig())
+    graph.lint()
+    assert _order(graph) == ["mm", "mm", "RS", "mm", "W", "RS", "W"], "g1 in flight across the late matmul"
+    wait1 = next(n for n in graph.nodes if n.target == c10d.wait_tensor.default)
+    assert wait1.next.target == aten.cat.default, "waited right before the next reduction's first buffer"
+    assert result.peak_after <= result.peak_before + result.allowance
 
 
 def test_a_reorder_that_grows_the_peak_too_much_is_undone(monkeypatch):
