@@ -319,13 +319,16 @@ def counts_flops(node: fx.Node) -> bool:
     return packet in flop_registry or packet in _CPU_ATTENTION
 
 
-def node_flops(node: fx.Node) -> int:
-    """FLOPs of one node (0 for an op without a formula, see `counts_flops`)."""
+def node_flops(node: fx.Node, values: tuple[tuple, dict] | None = None) -> int:
+    """FLOPs of one node (0 for an op without a formula, see `counts_flops`); `values`: its
+    (args, kwargs) with nodes replaced by their values, if the caller has them already."""
     packet = getattr(node.target, "overloadpacket", None)
     formula = flop_registry.get(packet) or _CPU_ATTENTION.get(packet)
     if formula is None or "val" not in node.meta:
         return 0
-    args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta.get("val"))
+    if values is None:
+        values = fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta.get("val"))
+    args, kwargs = values
     return formula(*args, **kwargs, out_val=node.meta["val"])
 
 
@@ -335,7 +338,7 @@ def node_seconds(device: DeviceProfile, node: fx.Node) -> float:
         return 0.0
     args = fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta.get("val"))
     moved = _tensor_bytes(args) + _tensor_bytes(node.meta["val"])
-    return max(node_flops(node) / device.flops_per_s, moved / device.memory_bytes_per_s)
+    return max(node_flops(node, args) / device.flops_per_s, moved / device.memory_bytes_per_s)
 
 
 def compute_between(device: DeviceProfile, graph: fx.Graph, marks: list[fx.Node]) -> list[float]:
