@@ -8,6 +8,8 @@ The modules, in the order a graph goes through them:
 
 - `collectives.py`: the typed view of a collective node (`parse_collective`) and node predicates;
 - `walk.py`: the depth-first graph walks the others build on;
+- `uneven.py`: DTensor's split + pad + concatenation of an uneven gradient folded into one pad
+  (first, on the joint graph, before inductor partitions it);
 - `detect.py`: which collectives are FSDP's (a parameter's all-gather, a gradient's reduction);
 - `plan.py`: pure bucket plans over candidates; `cost.py`: the cost model the `auto` plan uses;
 - `bucket.py`: a bucket becomes copy-in -> one collective -> copy-out (`simplefsdp.kernels`);

@@ -38,6 +38,7 @@ from simplefsdp.passes.plan import (
     plan_by_patterns,
 )
 from simplefsdp.passes.reorder import ReorderConfig, ReorderResult, reorder
+from simplefsdp.passes.uneven import fold_uneven_reductions
 
 __all__ = ["BucketConfig", "FsdpPass", "PassConfig", "parse_memory_budget", "plan_buckets"]
 
@@ -54,7 +55,7 @@ def source_digest(files: Iterable[Path]) -> str:
 
 
 @functools.cache
-def _code_fingerprint() -> str:
+def code_fingerprint() -> str:
     """What, besides its configuration, decides what the pass writes into a graph: the source of the
     passes and kernels packages (the ops it inserts and their signatures), `_compat.py` (the torch APIs
     it reaches), and the simplefsdp and torch versions. See [Note: what keys the compile cache]."""
@@ -177,6 +178,7 @@ class FsdpPass(CustomGraphPass):
     def _run(self, graph: fx.Graph) -> None:
         self.graphs += 1
         merge_repeated_waits(graph)  # [Note: a launch with two waits]
+        folded = fold_uneven_reductions(graph)  # [Note: why fold the uneven padding]
         merged, depth = _bucket(graph, self.config.bucket, self.groups) if self.config.bucket is not None else (0, None)
         moved = 0
         if self.config.reorder is not None:
@@ -188,8 +190,15 @@ class FsdpPass(CustomGraphPass):
             moved = result.moved
         self.merged += merged
         self.moved += moved
-        if merged or moved:  # not linted here: inductor lints after its post-grad passes, aot_eager after ours
-            logger.info("simplefsdp pass: merged away %d collectives, moved %d launches / waits", merged, moved)
+        # not linted here: inductor lints after its post-grad passes, aot_eager after ours
+        if merged or moved or folded:
+            logger.info(
+                "simplefsdp pass: folded the padding of %d uneven gradients, merged away %d collectives, "
+                "moved %d launches / waits",
+                folded,
+                merged,
+                moved,
+            )
 
     def uuid(self) -> str:
         # [Note: the rank is part of the cache key]
@@ -212,9 +221,9 @@ class FsdpPass(CustomGraphPass):
         # Inductor's caches outlive an upgrade: a graph compiled by an older pass would be served to
         # a newer one whenever the incoming graph is the same. A hand-bumped version string was
         # forgotten too often, so the key carries a digest of the code that decides the pass's
-        # output (`_code_fingerprint`): any edit to the passes or kernels, or another torch or
+        # output (`code_fingerprint`): any edit to the passes or kernels, or another torch or
         # simplefsdp version, is a miss.
-        key = f"simplefsdp-pass-{_code_fingerprint()}-{self.config}-{profile}-{groups}-rank{rank}"
+        key = f"simplefsdp-pass-{code_fingerprint()}-{self.config}-{profile}-{groups}-rank{rank}"
         return hashlib.sha256(key.encode()).hexdigest()
 
 

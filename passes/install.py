@@ -71,10 +71,12 @@ from simplefsdp._compat import (
     init_backend_registration,
 )
 from simplefsdp.class_swap import subclass
-from simplefsdp.passes.fsdp_pass import FsdpPass
+from simplefsdp.passes.fsdp_pass import FsdpPass, code_fingerprint
+from simplefsdp.passes.uneven import fold_uneven_reductions
 
 __all__ = [
     "ChainedPass",
+    "FoldUnevenPadding",
     "active",
     "attach_pass",
     "configured_passes",
@@ -114,7 +116,8 @@ class ChainedPass(CustomInferenceAwareGraphPass or CustomGraphPass):
 
 
 def configured_passes(current: object) -> tuple[object, ...]:
-    """The passes a `post_grad_custom_post_pass` setting holds, in order: none, one, a list or a `ChainedPass`."""
+    """The passes a pass setting (`post_grad_custom_post_pass`, `joint_custom_pre_pass`) holds, in order:
+    none, one, a list or a `ChainedPass`."""
     if current is None:
         return ()
     if isinstance(current, (list, tuple)):
@@ -163,13 +166,39 @@ def installed() -> tuple[object, ...]:
     return (*configured_passes(inductor_config.post_grad_custom_post_pass), *_backend_chain())
 
 
+class FoldUnevenPadding(CustomGraphPass):
+    """The joint-graph pass `running` installs ahead of any the user configured: DTensor's padding of
+    uneven gradients folded into one pad before inductor partitions the joint graph (see [Note: why
+    fold the uneven padding] in `uneven.py`; `FsdpPass` folds too, for backends without joint-graph
+    passes, where it finds nothing left here)."""
+
+    def __call__(self, graph: fx.Graph) -> None:
+        fold_uneven_reductions(graph)
+
+    def uuid(self) -> str:
+        return hashlib.sha256(f"simplefsdp-fold-uneven-{code_fingerprint()}".encode()).hexdigest()
+
+
+def _with_fold(current: object) -> ChainedPass:
+    """`joint_custom_pre_pass` set to a `FoldUnevenPadding`, then the passes `current` holds (once)."""
+    configured = configured_passes(current)
+    if any(isinstance(p, FoldUnevenPadding) for p in configured):
+        return ChainedPass(configured)
+    return ChainedPass((FoldUnevenPadding(), *configured))
+
+
 @contextlib.contextmanager
 def running(passes: Sequence[object]) -> Iterator[None]:
     """Inside the block, inductor runs `passes`, then the passes configured until now, on every graph
-    it compiles, after its fake-tensor update ([Note: where the pass runs]); the slots are restored
-    on exit. Nested blocks chain: the inner block's passes run first, then the outer's. A configured
-    pass that takes inductor's `is_inference` flag stays in `post_grad_custom_post_pass` (the
-    backend slot does not get the flag), so it runs before ours."""
+    it compiles, after its fake-tensor update ([Note: where the pass runs]), and `FoldUnevenPadding`
+    on the joint graph; the slots are restored on exit. Nested blocks chain: the inner block's passes
+    run first, then the outer's. A configured pass that takes inductor's `is_inference` flag stays in
+    `post_grad_custom_post_pass` (the backend slot does not get the flag), so it runs before ours."""
+    with inductor_config.patch(joint_custom_pre_pass=_with_fold(inductor_config.joint_custom_pre_pass)):
+        yield from _running_post_grad(passes)
+
+
+def _running_post_grad(passes: Sequence[object]) -> Iterator[None]:
     user = configured_passes(inductor_config.post_grad_custom_post_pass)
     if backend_graph_passes is None:
         with inductor_config.patch(post_grad_custom_post_pass=ChainedPass((*passes, *user))):

@@ -17,7 +17,7 @@ from simplefsdp._compat import (
     inductor_config,
 )
 from simplefsdp.passes.fsdp_pass import FsdpPass
-from simplefsdp.passes.install import ChainedPass, installed, running
+from simplefsdp.passes.install import ChainedPass, FoldUnevenPadding, configured_passes, installed, running
 
 
 class _Named(CustomGraphPass):
@@ -98,6 +98,24 @@ def test_the_chain_runs_once_per_graph_after_the_fake_tensor_update():
         assert entries[0].uuid()
         assert entries[0].uuid() != entries[1].uuid(), "the displaced entry is part of the key"
     assert all(not isinstance(v, type(entries[0])) for v in backend_graph_passes.values()), "restored"
+
+
+def test_the_uneven_padding_fold_runs_first_on_the_joint_graph():
+    """[Note: why fold the uneven padding]: `running` puts the fold ahead of a joint-graph pass the
+    user configured, once however deeply blocks nest, and restores the slot on exit."""
+    log = []
+    user = _Named("user", log)
+    with inductor_config.patch(joint_custom_pre_pass=user):
+        with running((FsdpPass(),)):
+            fold, *rest = configured_passes(inductor_config.joint_custom_pre_pass)
+            assert isinstance(fold, FoldUnevenPadding)
+            assert rest == [user]
+            with running((FsdpPass(),)):
+                assert configured_passes(inductor_config.joint_custom_pre_pass) == (fold, user), "installed once"
+            assert fold.uuid() == FoldUnevenPadding().uuid(), "a cache key of the code, not of the instance"
+            inductor_config.joint_custom_pre_pass(fx.Graph())
+        assert inductor_config.joint_custom_pre_pass is user, "restored on exit"
+    assert log == ["user"]
 
 
 def test_chain_cache_key():

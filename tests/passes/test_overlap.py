@@ -76,6 +76,22 @@ def test_default_plan_one_collective_per_block_plus_rest(step):
             assert targets.count(op) == L8.n_layers + 1, f"one {op} per bucket"
 
 
+def test_uneven_gradients_reach_the_bucket_unpadded(step):
+    """The vocabulary (67 rows) shards unevenly at 8 and 64 ranks: DTensor's split + pad + concatenation
+    of its gradients is folded into one pad, which the bucket copy-in absorbs, so the copy-in reads
+    the gradients themselves ([Note: why fold the uneven padding])."""
+    _, backward = step[0].graphs
+    copy_in = torch.ops.simplefsdp.reduce_scatter_copy_in.default
+    read = [g for node in backward.find_nodes(op="call_function", target=copy_in) for g in node.args[0]]
+    assert len(read) == len(list(step[2].parameters())), "every gradient goes through a bucket copy-in"
+    prepared = [
+        g.format_node()
+        for g in read
+        if g.target in (torch.ops.aten.cat.default, torch.ops.aten.constant_pad_nd.default)
+    ]
+    assert not prepared, f"a copy-in reads a padded copy of a gradient: {prepared}"
+
+
 def _events(graph: fx.Graph) -> list[tuple[str, str]]:
     """("L", name) at each launch, ("W", name of the launch) at each wait, ("mm", "") at each matmul."""
     events = []
