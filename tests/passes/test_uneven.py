@@ -116,3 +116,32 @@ def test_only_concatenations_read_by_reduce_scatters_are_folded(cast):
     assert pad.target is aten.constant_pad_nd.default
     assert _cats(gm) == [kept], "a concatenation the graph returns stays"
     assert fold_uneven_reductions(g) == 0
+
+
+def test_a_recorded_step_is_folded_before_partitioning_even_with_the_pass_off():
+    """`running` folds on the joint graph: a step recorded with the pass off (as the advisor traces)
+    already holds one pad per uneven gradient where DTensor concatenated 16 pieces."""
+    from torch import nn
+
+    import simplefsdp
+    from simplefsdp.inspect import capture_step, fake_world, make_mesh
+    from simplefsdp.passes.collectives import find_collectives
+
+    class Tiny(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed, self.proj = nn.Embedding(100, 8), nn.Linear(8, 8)  # 100 and 8 rows over 16 ranks
+
+        def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+            return self.proj(self.embed(tokens))
+
+    with fake_world(16):
+        with torch.device("meta"):
+            model = Tiny()
+        simplefsdp.wrap(model, make_mesh(strategy="FULL_SHARD", world_size=16), passes=None)
+        capture = capture_step(model, torch.zeros(2, 4, dtype=torch.long, device="meta"))
+    backward = capture.graphs.backward_pre
+    sent = [c.launch.args[0] for c in find_collectives(backward, kinds=["reduce_scatter"])]
+    assert len(sent) == 3, "the embedding, the weight and the bias: all uneven over 16 ranks"
+    assert [s.target for s in sent] == [aten.constant_pad_nd.default] * 3
+    assert not backward.find_nodes(op="call_function", target=aten.cat.default), "no concatenation left"
