@@ -20,6 +20,7 @@ this walk counts: the walk is an upper bound for the transients).
 from __future__ import annotations
 
 import dataclasses
+from collections import Counter
 from collections.abc import Mapping
 
 import torch
@@ -73,12 +74,35 @@ def _shard_bytes(param: torch.Tensor) -> int:
     return local.numel() * local.dtype.itemsize
 
 
+def _shard_key(param: torch.Tensor) -> tuple[tuple[int, ...], torch.dtype]:
+    local = param.to_local() if hasattr(param, "to_local") else param
+    return tuple(local.shape), local.dtype
+
+
 def _parameter_inputs(graph: fx.Graph, model: nn.Module) -> set[str]:
-    """Placeholders holding parameter shards: the forward's first inputs, one per parameter (Dynamo
-    lifts parameters before user inputs), and in the backward the forward inputs saved for it."""
-    count = sum(1 for _ in model.parameters())
-    placeholders = [n.name for n in graph.find_nodes(op="placeholder")]
-    return {name for name in placeholders[:count] if name.startswith("primals")}
+    """Placeholders holding parameter shards (counted once, as persistent memory, not by the walk).
+
+    [Note: finding the parameter inputs]
+    A compiled forward's inputs are not the parameters first: in inductor's graphs the model's
+    buffers and the user's inputs come first, and each parameter is followed by an opaque object
+    (a `FakeScriptObject`, not a tensor). Taking the first `len(parameters)` placeholders, as this
+    did for the graphs of the debugging backend, missed about half the parameters of a Llama-style
+    model and counted them as activations as well -- a share that changes with the number of
+    blocks traced, so the dry run's extrapolations from 4-5 and 5-6 blocks disagreed. Instead the
+    tensor placeholders are matched, in graph order, against this rank's parameter shards by shape
+    and dtype, each shard used once. (An input shaped exactly like a parameter shard ahead of it
+    would take its place: one tensor miscounted, not half the model.)"""
+    wanted: Counter[tuple[tuple[int, ...], torch.dtype]] = Counter(_shard_key(p) for p in model.parameters())
+    found = set()
+    for node in graph.find_nodes(op="placeholder"):
+        val = node.meta.get("val")
+        if not isinstance(val, torch.Tensor):
+            continue
+        key = (tuple(val.shape), val.dtype)
+        if wanted[key] > 0:
+            wanted[key] -= 1
+            found.add(node.name)
+    return found
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
