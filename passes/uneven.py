@@ -65,9 +65,12 @@ def _val(node: object) -> torch.Tensor | None:
     return value if isinstance(value, torch.Tensor) else None
 
 
-def _split_dim(split: fx.Node) -> int:
+def _split_dim(split: fx.Node) -> int | None:
+    source = _val(split.args[0])
+    if source is None:
+        return None
     dim = split.args[2] if len(split.args) > 2 else split.kwargs.get("dim", 0)
-    return dim % split.args[0].meta["val"].dim()
+    return dim % source.dim()
 
 
 def _tail_pad(node: fx.Node, dim: int) -> fx.Node | None:
@@ -101,8 +104,9 @@ def _split_source(pieces: list[fx.Node], dim: int) -> fx.Node | None:
     split = first.args[0]
     if not isinstance(split, fx.Node) or split.target not in _SPLITS or _split_dim(split) != dim:
         return None
-    count = len(split.meta["val"])
-    if len(pieces) < count:
+    chunks = split.meta.get("val")
+    count = len(chunks) if isinstance(chunks, (list, tuple)) else None
+    if count is None or len(pieces) < count:
         return None
     for index, piece in enumerate(pieces[:count]):
         if index == count - 1 and _tail_pad(piece, dim) is not None:
