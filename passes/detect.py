@@ -4,7 +4,7 @@ An FSDP all-gather is an `all_gather_into_tensor` whose input is a graph input (
 parameter) seen through at most a dtype cast and a zero pad (DTensor pads the smaller shards of
 an unevenly sharded parameter before gathering). An FSDP reduction is a `reduce_scatter_tensor`
 or `all_reduce` whose waited result reaches a graph output (the gradient) through views, casts,
-zero pads, copies and further reductions only (HYBRID chains an all-reduce and a reduce-scatter). Each is
+constant pads, copies and further reductions only (HYBRID chains an all-reduce and a reduce-scatter). Each is
 paired with its single `wait_tensor`. Everything else -- a user's own collectives,
 tensor-parallel collectives on activations -- is not a candidate.
 
@@ -71,7 +71,7 @@ def _fields(collective: Collective) -> dict:
 
 def _carries_reduced_value(node: fx.Node) -> bool:
     # HYBRID: one reduction feeds the other (all-reduce across replicas, reduce-scatter within),
-    # through the zero pad of an uneven gradient (`uneven.py` folds DTensor's padding into one pad)
+    # through the pad of an uneven gradient (`uneven.py` folds DTensor's padding into one pad)
     return passes_value_through(node) or is_cast_or_pad(node) or is_reduce_scatter(node) or is_all_reduce(node)
 
 
