@@ -69,13 +69,18 @@ class MemoryEstimate:
         return max(self.forward.max_comm_bytes, self.backward.max_comm_bytes)
 
 
+def _local(param: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of `param` (a DTensor), or `param` itself."""
+    return param.to_local() if hasattr(param, "to_local") else param
+
+
 def _shard_bytes(param: torch.Tensor) -> int:
-    local = param.to_local() if hasattr(param, "to_local") else param
+    local = _local(param)
     return local.numel() * local.dtype.itemsize
 
 
 def _shard_key(param: torch.Tensor) -> tuple[tuple[int, ...], torch.dtype]:
-    local = param.to_local() if hasattr(param, "to_local") else param
+    local = _local(param)
     return tuple(local.shape), local.dtype
 
 
