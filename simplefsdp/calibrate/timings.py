@@ -10,12 +10,12 @@ returns the same `Measurements` and the fitted profile does not depend on which 
   MiB (hundreds on a GPU) -> the points `fit.py` fits latency and bandwidth to;
 - overlap: a matmul loop alone, all-gathers of a bucket-sized buffer of about the same total
   duration alone, and both at once (the all-gathers launched asynchronously, the loop run while
-  they are in flight) -> how much of the communication time really ran in parallel with compute
-  (see `fit.overlap_share`);
+  they are in flight), interleaved round by round ([Note: paired timings]) -> how much of the
+  communication time really ran in parallel with compute (see `fit.overlap_share`);
 - wake-up: a small all-gather (the functional op and its wait, as compiled graphs issue it) issued
   after a stretch of matmuls, for stretches from about 0.25 to 8 ms, against the same all-gather
-  back to back -> the extra each costs after its group sat idle (`fit.fit_wake`; [Note: what a
-  training step adds] in `passes/cost.py`);
+  back to back and the matmuls alone, interleaved -> the extra each costs after its group sat idle
+  (`fit.fit_wake`; [Note: what a training step adds] in `passes/cost.py`);
 - staging: the memory one all-gather / reduce-scatter / all-reduce of a 64 MiB buffer takes beyond
   its own input and output (on a GPU the caching allocator's peak; on the CPU the kernel's resident
   high-water mark: above glibc's largest dynamic mmap threshold, 32 MiB, a staging buffer is
@@ -34,7 +34,7 @@ import dataclasses
 import os
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -83,6 +83,7 @@ class _Plan:
     wake_gaps_s: tuple[float, ...] = (0.25e-3, 0.5e-3, 1e-3, 2e-3, 4e-3, 8e-3)  # compute before each all-gather
     wake_rounds: int = 20  # (compute, all-gather) rounds per timing
     optimizer_shapes: tuple[tuple[int, int], ...] = ((64, 4096), (4, 1 << 20))  # (tensors, elements each)
+    paired_repeats: int = 25  # rounds of the overlap and wake-up timings ([Note: paired timings])
 
 
 _QUICK = _Plan(
@@ -94,6 +95,7 @@ _QUICK = _Plan(
     wake_gaps_s=(1e-3, 4e-3),
     wake_rounds=5,
     optimizer_shapes=((16, 1024), (2, 1 << 16)),
+    paired_repeats=3,
 )
 _FULL_CPU = _Plan(
     sizes=tuple(4 * KIB * 4**i for i in range(8)), repeats=9, matmul_n=1024, copy_bytes=128 * MIB, overlap_bytes=4 * MIB
@@ -108,17 +110,38 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _median_s(fn: Callable[[], object], device: torch.device, repeats: int) -> float:
-    fn()  # warm-up (allocations, connections, kernels)
-    times = []
+# [Note: paired timings]
+# The overlap and wake-up numbers are differences of timings (both at once minus each alone), a few
+# milliseconds out of tens. Timed as separate medians one after the other, a change in the host's
+# load between them lands in the difference whole: four calibrations within minutes on the 2-core
+# development host fitted overlap shares of 0.0, 0.65, 0.35 and 0.09 and wake-ups of 0.07-1.7 ms,
+# which moved one configuration's predicted step from 92 to 120 ms. So the timings a difference
+# is taken of run interleaved, one round of each per repeat, and the difference is taken within
+# each round, then the median over the rounds: a load change between rounds cancels. A single
+# round is still noisy there (a 30 ms matmul loop took 23-46 ms, and one round's overlap share
+# ranged from below 0 to 0.88 within one measurement), so these take more rounds than the other
+# timings (`_Plan.paired_repeats`; each round is tens of milliseconds).
+def _paired_s(fns: Sequence[Callable[[], object]], device: torch.device, repeats: int) -> list[tuple[float, ...]]:
+    """Per repeat, the seconds of each of `fns` in turn (each behind a barrier): one row per round."""
+    for fn in fns:
+        fn()  # warm-up
+    rounds = []
     for _ in range(repeats):
-        dist.barrier()
-        _sync(device)
-        start = time.perf_counter()
-        fn()
-        _sync(device)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        row = []
+        for fn in fns:
+            dist.barrier()
+            _sync(device)
+            start = time.perf_counter()
+            fn()
+            _sync(device)
+            row.append(time.perf_counter() - start)
+        rounds.append(tuple(row))
+    return rounds
+
+
+def _median_s(fn: Callable[[], object], device: torch.device, repeats: int) -> float:
+    """The median seconds of `fn` over `repeats` runs, after one warm-up (allocations, connections)."""
+    return statistics.median(seconds for (seconds,) in _paired_s([fn], device, repeats))
 
 
 def _collective(kind: str, full_bytes: int, device: torch.device) -> Callable[[], object]:
@@ -158,11 +181,12 @@ def _collective_times(kind: str, device: torch.device, plan: _Plan) -> list[tupl
     return points
 
 
-def _overlap(device: torch.device, plan: _Plan, repeats: int) -> tuple[float, float, float]:
+def _overlap(device: torch.device, plan: _Plan) -> tuple[float, float, float]:
     """(matmul loop alone, all-gathers alone, both together) seconds, each about 30 ms: `k` all-gathers
     of a bucket-sized buffer launched asynchronously back to back, as a prefetch issues them."""
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     a = torch.randn(plan.matmul_n, plan.matmul_n, device=device, dtype=dtype)
+    repeats = plan.paired_repeats
     (one,) = _agree([_median_s(lambda: a @ a, device, repeats)], device)  # the ranks must size alike
     loops = max(1, int(0.03 / max(one, 1e-6)))
 
@@ -170,12 +194,11 @@ def _overlap(device: torch.device, plan: _Plan, repeats: int) -> tuple[float, fl
         for _ in range(loops):
             a @ a
 
-    compute_s = _median_s(compute, device, repeats)
     world = dist.get_world_size()
     full = torch.ones(plan.overlap_bytes // 4 // world * world, device=device)
     piece = torch.ones(full.numel() // world, device=device)
     single = _median_s(lambda: all_gather_single(full, piece), device, repeats)
-    (ratio,) = _agree([compute_s / max(single, 1e-6)], device)  # every rank must launch as many
+    (ratio,) = _agree([loops * one / max(single, 1e-6)], device)  # every rank must launch as many
     count = max(1, round(ratio))
 
     def gathers() -> list:
@@ -191,7 +214,11 @@ def _overlap(device: torch.device, plan: _Plan, repeats: int) -> tuple[float, fl
         for work in works:
             work.wait()
 
-    return compute_s, _median_s(comm, device, repeats), _median_s(both, device, repeats)
+    rounds = _paired_s([compute, comm, both], device, repeats)  # [Note: paired timings]
+    compute_s = statistics.median(c for c, _, _ in rounds)
+    comm_s = statistics.median(m for _, m, _ in rounds)
+    saved_s = statistics.median(c + m - b for c, m, b in rounds)  # what running both at once saved
+    return compute_s, comm_s, compute_s + comm_s - saved_s
 
 
 _WAKE_BYTES = 64 * KIB  # full buffer of the all-gather the wake-up is measured with
@@ -211,7 +238,10 @@ def _wake(device: torch.device, plan: _Plan) -> list[tuple[float, float]]:
     def gather() -> None:  # as a compiled graph issues it: the functional op, then its wait
         c10d_functional.wait_tensor(c10d_functional.all_gather_into_tensor(piece, world, group))
 
-    back_to_back = _median_s(lambda: [gather() for _ in range(rounds)], device, plan.repeats)
+    def back_to_back() -> None:
+        for _ in range(rounds):
+            gather()
+
     points = []
     for gap in plan.wake_gaps_s:
         loops = max(1, round(gap / max(one, 1e-7)))
@@ -229,8 +259,9 @@ def _wake(device: torch.device, plan: _Plan) -> list[tuple[float, float]]:
                 compute()
                 gather()
 
-        compute_s = _median_s(alone, device, plan.repeats)
-        extra = (_median_s(both, device, plan.repeats) - compute_s - back_to_back) / rounds
+        timed = _paired_s([back_to_back, alone, both], device, plan.paired_repeats)  # [Note: paired timings]
+        compute_s = statistics.median(c for _, c, _ in timed)
+        extra = statistics.median(b - c - g for g, c, b in timed) / rounds
         points.append((compute_s / rounds, extra))
     return points
 
@@ -310,7 +341,7 @@ def measure(*, device: torch.device, quick: bool = False) -> Measurements:
     copy_s = _median_s(lambda: dst.copy_(src), device, plan.repeats)
     kinds = ("all_gather", "reduce_scatter", "all_reduce")
     collectives = {kind: _collective_times(kind, device, plan) for kind in kinds}
-    overlap = _overlap(device, plan, plan.repeats)
+    overlap = _overlap(device, plan)
     wake = _wake(device, plan)
     optimizers = _optimizers(device, plan)
     staging = _staging(device)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -156,3 +157,45 @@ def test_a_profile_is_refused_when_a_kinds_times_do_not_grow():
     )
     with pytest.raises(ValueError, match=r"reduce_scatter: the times do not grow with the size.*busy"):
         profile_from(measured, name="flat")
+
+
+def _scripted_paired(rounds: dict[str, list[tuple[float, ...]]]) -> tuple[tuple[float, float, float], list]:
+    """`_overlap` and `_wake` (one gap) with the interleaved rounds scripted: what they make of them."""
+    calls, real = [], timings._paired_s
+
+    def paired(fns, device, repeats):
+        if len(fns) == 1:  # a plain median (`_median_s`): timed for real
+            return real(fns, device, repeats)
+        calls.append((len(fns), repeats))
+        return rounds["overlap" if len(calls) == 1 else "wake"]
+
+    plan = timings._Plan(sizes=(1, 2), repeats=1, matmul_n=8, copy_bytes=1, overlap_bytes=4096, wake_gaps_s=(1e-3,))
+    plan = dataclasses.replace(plan, wake_rounds=2, paired_repeats=3)
+    timings._paired_s = paired
+    try:
+        return timings._overlap(torch.device("cpu"), plan), timings._wake(torch.device("cpu"), plan), calls
+    finally:
+        timings._paired_s = real
+
+
+def test_overlap_and_wake_take_differences_within_each_round():
+    """[Note: paired timings]: a round where the host was slow for everything is not read as overlap
+    (or as a wake-up); the difference is taken inside each round, then the median."""
+    pool = RankPool(world_size=2)
+    try:
+        # (compute, comm, both): two quiet rounds where both at once saved 10 ms, one slow round
+        overlap_rounds = [(0.030, 0.030, 0.050), (0.060, 0.060, 0.110), (0.031, 0.029, 0.050)]
+        # (back to back, compute alone, compute + gather): the gathers cost 1 ms more after compute
+        wake_rounds = [(0.002, 0.010, 0.014), (0.004, 0.020, 0.026), (0.002, 0.011, 0.015)]
+        (compute, comm, both), wake, calls = pool.run(
+            _scripted_paired, {"overlap": overlap_rounds, "wake": wake_rounds}
+        )[0]
+        assert calls == [(3, 3), (3, 3)], "three timings interleaved, paired_repeats rounds"
+        assert (compute, comm) == pytest.approx((0.031, 0.030))
+        assert compute + comm - both == pytest.approx(0.010), "the median of each round's saving"
+        assert overlap_share(compute, comm, both) == pytest.approx(0.010 / 0.030)
+        ((idle, extra),) = wake
+        assert idle == pytest.approx(0.011 / 2), "compute per round (2 gathers per timing)"
+        assert extra == pytest.approx(0.002 / 2), "the median of each round's extra, per gather"
+    finally:
+        pool.close()
