@@ -34,13 +34,13 @@ rank plans; they do not predict wall time to the microsecond.
   collective's time hidden by compute), enough to rank bucket plans there; `simplefsdp calibrate`
   measures the machine at hand and writes a profile file, which every place that takes a profile
   name also takes (`profile(path)`);
-- the named profiles charge no wake-up latency, a memory-bound optimizer step (no per-tensor
-  overhead) and no staging memory for collectives (NCCL's buffers live outside PyTorch's allocator):
+- the named profiles charge no wake-up latency, no launch time, a memory-bound optimizer step (no
+  per-tensor overhead) and no staging memory for collectives (NCCL's buffers live outside PyTorch's allocator):
   only a calibrated profile measures those (see [Note: what a training step adds]).
 
 [Note: what a training step adds]
 What a training step pays that a collective timed back to back, or a roofline, does not show. All
-three are measured by `simplefsdp calibrate`; the named profiles leave them at zero / memory bound.
+four are measured by `simplefsdp calibrate`; the named profiles leave them at zero / memory bound.
 - Wake-up and drift: a collective launched after its process group sat idle while compute ran
   costs more than one launched right after another (on a 2-core host over gloo: 0.5 ms back to
   back, 1.5 ms after 0.7 ms of matmuls, 2.5 ms after 6 ms -- measured): a quick rise (the
@@ -55,6 +55,13 @@ three are measured by `simplefsdp calibrate`; the named profiles leave them at z
   eager optimizer over DTensor shards pays the DTensor dispatch for every op on every parameter
   (AdamW over the 75 shards of the 8-block benchmark model: about 25 ms of a 230 ms step on this
   host, where the memory-bound estimate says 4 ms).
+- The launch: issuing a collective takes the calling thread a while before it returns to compute,
+  time no overlap hides. Over gloo on the 2-core host, an asynchronous functional all-gather
+  returns after about 0.2 ms at any size, a reduce-scatter after 0.1 ms at 16 KiB and 2.3 ms at
+  16 MiB (it copies its input first) -- measured; a graph without bucketing issues over a hundred
+  collectives a step. `launch` holds, per kind, `seconds + seconds per byte * full buffer bytes`;
+  the schedule advances the compute clock by it at each launch (`launch_seconds`). Back-to-back
+  timings include it, so the collective's own alpha-beta time still starts at the launch.
 - Staging memory: a communication library may copy a collective's buffer while it runs. gloo
   all-gathers into a flat buffer of its own and copies out, and stages a reduce-scatter's input the
   same way: about one full buffer each, held from launch to wait (measured by
@@ -83,6 +90,7 @@ __all__ = [
     "DeviceProfile",
     "collective_seconds",
     "compute_between",
+    "launch_seconds",
     "node_seconds",
     "optimizer_seconds",
     "profile",
@@ -103,7 +111,8 @@ class DeviceProfile:
     """The numbers the cost model charges with. Invariant: every rate is positive, `overlap` in [0, 1],
     `collectives` holds at most one `(kind, latency_s, bus_bytes_per_s)` per kind of `COLLECTIVE_KINDS`,
     `optimizers` at most one `(name, seconds per tensor, seconds per element)` per optimizer of
-    `OPTIMIZER_BYTES_PER_ELEMENT`; wake-up and optimizer terms: [Note: what a training step adds]."""
+    `OPTIMIZER_BYTES_PER_ELEMENT`, `launch` at most one `(kind, seconds, seconds per byte)` per kind,
+    all >= 0; wake-up, launch and optimizer terms: [Note: what a training step adds]."""
 
     name: str
     latency_s: float  # alpha: fixed cost of one collective
@@ -118,6 +127,7 @@ class DeviceProfile:
     drift: float = 0.0  # extra collective seconds per second of compute since the group's previous one
     optimizers: tuple[tuple[str, float, float], ...] = ()  # (name, tensor_s, element_s) per optimizer
     staging: tuple[tuple[str, float], ...] = ()  # (kind, bytes staged per byte of the full buffer)
+    launch: tuple[tuple[str, float, float], ...] = ()  # (kind, seconds, seconds per full-buffer byte)
 
     def __post_init__(self) -> None:
         rates = {k: getattr(self, k) for k in ("bus_bytes_per_s", "flops_per_s", "memory_bytes_per_s")}
@@ -147,6 +157,11 @@ class DeviceProfile:
                 f"device profile {self.name!r}: staging must be at most one factor >= 0 each of "
                 f"{COLLECTIVE_KINDS}: {self.staging}"
             )
+        launched = [kind for kind, _, _ in self.launch]
+        if len(set(launched)) != len(launched) or set(launched) - set(COLLECTIVE_KINDS):
+            raise ValueError(f"device profile {self.name!r}: launch must be at most one each of {COLLECTIVE_KINDS}")
+        if any(a < 0 or b < 0 for _, a, b in self.launch):
+            raise ValueError(f"device profile {self.name!r}: launch seconds must be >= 0: {self.launch}")
         if any(t < 0 or e < 0 for _, t, e in self.optimizers):
             raise ValueError(f"device profile {self.name!r}: optimizer seconds must be >= 0: {self.optimizers}")
 
@@ -207,7 +222,8 @@ def load_profile(path: str | Path) -> DeviceProfile:
     path = Path(path)
     try:
         data = json.loads(path.read_text())
-        fields = {f.name for f in dataclasses.fields(DeviceProfile)} - {"collectives", "optimizers", "staging"}
+        nested = {"collectives", "optimizers", "staging", "launch"}
+        fields = {f.name for f in dataclasses.fields(DeviceProfile)} - nested
         optional = {"overlap", "wake_s", "wake_tau_s", "drift", "capacity_bytes"}
         missing = sorted(f for f in fields - optional if f not in data)
         if missing:
@@ -221,8 +237,12 @@ def load_profile(path: str | Path) -> DeviceProfile:
             for name, fit in sorted(data.get("optimizers", {}).items())
         )
         staging = tuple((kind, float(factor)) for kind, factor in sorted(data.get("staging", {}).items()))
+        launch = tuple(
+            (kind, float(fit["seconds"]), float(fit["seconds_per_byte"]))
+            for kind, fit in sorted(data.get("launch", {}).items())
+        )
         numbers = {f: (data[f] if f == "name" else float(data[f])) for f in fields if data.get(f) is not None}
-        return DeviceProfile(**numbers, collectives=collectives, optimizers=optimizers, staging=staging)
+        return DeviceProfile(**numbers, collectives=collectives, optimizers=optimizers, staging=staging, launch=launch)
     except FileNotFoundError:
         raise ValueError(
             f"device profile file {str(path)!r} does not exist (write one with `simplefsdp calibrate`)"
@@ -237,6 +257,7 @@ def save_profile(device: DeviceProfile, path: str | Path, *, extra: dict | None 
     data["collectives"] = {kind: {"latency_s": a, "bus_bytes_per_s": b} for kind, a, b in device.collectives}
     data["optimizers"] = {name: {"tensor_s": t, "element_s": e} for name, t, e in device.optimizers}
     data["staging"] = dict(device.staging)
+    data["launch"] = {kind: {"seconds": a, "seconds_per_byte": b} for kind, a, b in device.launch}
     Path(path).write_text(json.dumps({**data, **(extra or {})}, indent=1) + "\n")
 
 
@@ -252,6 +273,13 @@ def collective_seconds(device: DeviceProfile, *, kind: str, nbytes: int, world: 
 def seconds_of(device: DeviceProfile, collective: Collective) -> float:
     """`collective_seconds` of a traced collective: its full buffer over its group."""
     return collective_seconds(device, kind=collective.kind, nbytes=collective.full_nbytes, world=collective.group_size)
+
+
+def launch_seconds(device: DeviceProfile, collective: Collective) -> float:
+    """Seconds the calling thread spends issuing `collective` before it returns to compute
+    ([Note: what a training step adds]; 0 where the profile has not measured it)."""
+    seconds, per_byte = next(((a, b) for k, a, b in device.launch if k == collective.kind), (0.0, 0.0))
+    return seconds + per_byte * collective.full_nbytes
 
 
 def wake_seconds(device: DeviceProfile, *, idle_s: float, compute_s: float) -> float:

@@ -87,6 +87,12 @@ def _describe(profile: DeviceProfile) -> str:
         f"  after idle        +{profile.wake_s * 1e6:,.0f} us wake-up (tau {profile.wake_tau_s * 1e3:.2f} ms)"
         f" + {profile.drift:.2f} s per s of compute"
     )
+    for kind, seconds, per_byte in profile.launch:
+        lines.append(
+            f"  {kind + ' launch':<17} {seconds * 1e6:,.0f} us"
+            + (f" + bytes / {1 / per_byte / 1e9:,.2f} GB/s" if per_byte else "")
+            + " of the caller's time"
+        )
     for name, per_tensor, per_element in profile.optimizers:
         lines.append(f"  {name:<17} {per_tensor * 1e6:,.1f} us per parameter + {per_element * 1e9:.2f} ns per element")
     return "\n".join(lines)

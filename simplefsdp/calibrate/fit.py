@@ -19,6 +19,9 @@ adds] in `passes/cost.py`): for each `tau` of a geometric grid from 0.1 ms to 10
 other refitted alone), and the triple with the smallest squared error wins (deterministic; noise
 around zero fits no extra at all).
 
+Launch: per kind, `seconds + bytes * seconds_per_byte` through the `(full buffer bytes, seconds)`
+points by `fit_launch` (relative error, both terms >= 0; times that do not grow fit a constant).
+
 Optimizer: `seconds = tensors * tensor_s + tensors * elements * element_s` through the measured
 shapes (least squares over them; two shapes: the exact solution), each term clamped at zero.
 """
@@ -33,22 +36,30 @@ from simplefsdp.passes.cost import DeviceProfile
 if TYPE_CHECKING:  # timings.py uses the fit to decide when to time again
     from simplefsdp.calibrate.timings import Measurements
 
-__all__ = ["fit_alpha_beta", "fit_optimizer", "fit_wake", "overlap_share", "profile_from"]
+__all__ = ["fit_alpha_beta", "fit_launch", "fit_optimizer", "fit_wake", "overlap_share", "profile_from"]
 
 _TAUS = tuple(1e-4 * 10 ** (i / 16) for i in range(49))  # 0.1 ms .. 100 ms
+
+
+def _weighted_line(points: list[tuple[float, float]]) -> tuple[float, float]:
+    """(intercept, slope) of the least-squares line through `points` `(x, t)`, each weighted by
+    `1 / t^2` (relative error); slope 0 where every x is the same."""
+    weights = [1.0 / max(t, 1e-12) ** 2 for _, t in points]
+    total = sum(weights)
+    mean_x = sum(w * x for w, (x, _) in zip(weights, points, strict=True)) / total
+    mean_t = sum(w * t for w, (_, t) in zip(weights, points, strict=True)) / total
+    spread = sum(w * (x - mean_x) ** 2 for w, (x, _) in zip(weights, points, strict=True))
+    if not spread:
+        return mean_t, 0.0
+    slope = sum(w * (x - mean_x) * (t - mean_t) for w, (x, t) in zip(weights, points, strict=True)) / spread
+    return mean_t - slope * mean_x, slope
 
 
 def fit_alpha_beta(points: list[tuple[float, float]]) -> tuple[float, float]:
     """(alpha seconds, bandwidth bytes/s) of `t = alpha + x / bandwidth` through `points` `(x, t)`."""
     if len(points) < 2:
         raise ValueError(f"need at least two sizes to fit latency and bandwidth, got {len(points)}")
-    weights = [1.0 / t**2 for _, t in points]
-    total = sum(weights)
-    mean_x = sum(w * x for w, (x, _) in zip(weights, points, strict=True)) / total
-    mean_t = sum(w * t for w, (_, t) in zip(weights, points, strict=True)) / total
-    spread = sum(w * (x - mean_x) ** 2 for w, (x, _) in zip(weights, points, strict=True))
-    slope = sum(w * (x - mean_x) * (t - mean_t) for w, (x, t) in zip(weights, points, strict=True)) / spread
-    alpha = mean_t - slope * mean_x
+    alpha, slope = _weighted_line(points)
     if alpha < 0:  # pin the intercept at the smallest message's time, refit the slope through it
         x0, t0 = min(points)
         alpha = t0
@@ -57,6 +68,23 @@ def fit_alpha_beta(points: list[tuple[float, float]]) -> tuple[float, float]:
     if slope <= 0:
         raise ValueError(f"the times do not grow with the size: {points}")
     return alpha, 1.0 / slope
+
+
+def fit_launch(points: list[tuple[float, float]]) -> tuple[float, float]:
+    """(seconds, seconds per byte) of `t = seconds + bytes * per_byte` through `points` `(bytes, t)`,
+    both >= 0: the relative-error line of `fit_alpha_beta`, except that times which do not grow
+    with the size fit a constant (their weighted mean), not an error -- an all-gather's launch costs
+    about the same at every size -- and a line through a negative intercept is refitted through 0."""
+    if not points:
+        return 0.0, 0.0
+    intercept, slope = _weighted_line(points)
+    if slope <= 0:
+        return max(0.0, _weighted_line([(0.0, t) for _, t in points])[0]), 0.0
+    if intercept < 0:
+        weights = [1.0 / max(t, 1e-12) ** 2 for _, t in points]
+        rows = list(zip(weights, points, strict=True))
+        return 0.0, sum(w * x * t for w, (x, t) in rows) / sum(w * x * x for w, (x, _) in rows)
+    return intercept, slope
 
 
 def overlap_share(compute_s: float, comm_s: float, both_s: float) -> float:
@@ -142,5 +170,9 @@ def profile_from(measured: Measurements, *, name: str) -> DeviceProfile:
         drift=drift,
         optimizers=tuple((opt, *fit_optimizer(points)) for opt, points in sorted(measured.optimizers.items())),
         staging=tuple(sorted(measured.staging.items())),
+        launch=tuple(
+            (kind, *fit_launch([(float(b), t) for b, t in points]))
+            for kind, points in sorted(measured.launches.items())
+        ),
         capacity_bytes=measured.capacity_bytes,
     )

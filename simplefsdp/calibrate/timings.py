@@ -16,6 +16,9 @@ returns the same `Measurements` and the fitted profile does not depend on which 
   after a stretch of matmuls, for stretches from about 0.25 to 8 ms, against the same all-gather
   back to back and the matmuls alone, interleaved -> the extra each costs after its group sat idle
   (`fit.fit_wake`; [Note: what a training step adds] in `passes/cost.py`);
+- launch: an asynchronous functional all-gather / reduce-scatter / all-reduce at each size, timed
+  until it returns to the caller -> the compute time each launch takes (`fit.fit_launch`; [Note:
+  what a training step adds]);
 - staging: the memory one all-gather / reduce-scatter / all-reduce of a 64 MiB buffer takes beyond
   its own input and output (on a GPU the caching allocator's peak; on the CPU the kernel's resident
   high-water mark: above glibc's largest dynamic mmap threshold, 32 MiB, a staging buffer is
@@ -43,6 +46,7 @@ import torch.distributed as dist
 from simplefsdp._compat import all_gather_single, c10d_functional, reduce_scatter_single
 from simplefsdp.calibrate.fit import fit_alpha_beta
 from simplefsdp.calibrate.high_water import high_water_bytes
+from simplefsdp.passes.cost import COLLECTIVE_KINDS
 
 __all__ = ["Measurements", "measure"]
 
@@ -70,6 +74,8 @@ class Measurements:
     optimizers: dict[str, list[tuple[int, int, float]]] = dataclasses.field(default_factory=dict)
     # name -> [(parameter tensors, elements per rank, seconds per step)]
     staging: dict[str, float] = dataclasses.field(default_factory=dict)  # kind -> bytes per full-buffer byte
+    launches: dict[str, list[tuple[int, float]]] = dataclasses.field(default_factory=dict)
+    # kind -> [(full buffer bytes, seconds until an asynchronous launch returns)]
     capacity_bytes: float | None = None  # memory one rank may use
 
 
@@ -221,6 +227,42 @@ def _overlap(device: torch.device, plan: _Plan) -> tuple[float, float, float]:
     return compute_s, comm_s, compute_s + comm_s - saved_s
 
 
+def _issue(kind: str, full_bytes: int, device: torch.device) -> Callable[[], torch.Tensor]:
+    """The functional collective of `kind`, as a compiled graph issues it (its wait left to the caller)."""
+    world = dist.get_world_size()
+    group = dist.group.WORLD.group_name
+    numel = max(world, full_bytes // 4 // world * world)
+    full = torch.ones(numel, device=device)
+    piece = torch.ones(numel // world, device=device)
+    if kind == "all_gather":
+        return lambda: c10d_functional.all_gather_into_tensor(piece, world, group)
+    if kind == "reduce_scatter":
+        return lambda: c10d_functional.reduce_scatter_tensor(full, "sum", world, group)
+    return lambda: c10d_functional.all_reduce(full, "sum", group)
+
+
+def _launches(device: torch.device, plan: _Plan) -> dict[str, list[tuple[int, float]]]:
+    """Per kind and size of `plan`: seconds until the collective returns to the caller (its wait
+    outside the timing), agreed over the ranks."""
+    result = {}
+    for kind in COLLECTIVE_KINDS:
+        times = []
+        for size in plan.sizes:
+            issue = _issue(kind, size, device)
+            c10d_functional.wait_tensor(issue())  # warm-up
+            samples = []
+            for _ in range(plan.repeats):
+                dist.barrier()
+                _sync(device)
+                start = time.perf_counter()
+                out = issue()
+                samples.append(time.perf_counter() - start)
+                c10d_functional.wait_tensor(out)
+            times.append(statistics.median(samples))
+        result[kind] = list(zip(plan.sizes, _agree(times, device), strict=True))
+    return result
+
+
 _WAKE_BYTES = 64 * KIB  # full buffer of the all-gather the wake-up is measured with
 _WAKE_N = 256  # the matmul the idle stretches are made of (about half a millisecond on one CPU core)
 
@@ -343,6 +385,7 @@ def measure(*, device: torch.device, quick: bool = False) -> Measurements:
     collectives = {kind: _collective_times(kind, device, plan) for kind in kinds}
     overlap = _overlap(device, plan)
     wake = _wake(device, plan)
+    launches = _launches(device, plan)
     optimizers = _optimizers(device, plan)
     staging = _staging(device)
     steps = [s for name in optimizers for _, _, s in optimizers[name]]
@@ -369,5 +412,6 @@ def measure(*, device: torch.device, quick: bool = False) -> Measurements:
         wake=[(next(wake_values), next(wake_values)) for _ in wake],
         optimizers={name: [(t, e, next(step_times)) for t, e, _ in shapes] for name, shapes in optimizers.items()},
         staging=dict(zip(kinds, staged, strict=True)) if staging else {},
+        launches=launches,
         capacity_bytes=_capacity(device),
     )

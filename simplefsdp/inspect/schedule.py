@@ -8,7 +8,9 @@ per process group. `simulate` replays a post-pass graph in node order with
 - a collective launch starts when both the compute clock has reached it and its group's stream
   is free, and lasts its alpha-beta seconds, plus the profile's wake-up for the time the stream sat
   idle before it (the first collective of a graph: saturated) and its drift for the compute since
-  the stream's previous collective (see [Note: what a training step adds] in `passes/cost.py`);
+  the stream's previous collective; the launch itself also holds the compute clock for the
+  profile's launch seconds, the calling thread's time to issue it (see [Note: what a training step
+  adds] in `passes/cost.py`);
 - a wait stalls the compute clock until its collective has finished; that stall is the
   collective's *exposed* time;
 - where communication does not fully run in parallel with compute (a profile's `overlap` below 1:
@@ -141,6 +143,7 @@ class _Launch:
     start_s: float
     end_s: float
     launch_s: float
+    issue_s: float = 0.0  # compute-clock seconds the launch itself took (`cost.launch_seconds`)
     launched_before: str = ""
     compute_s: float = 0.0
     matmuls: int = 0
@@ -168,11 +171,13 @@ def simulate(
             extra = cost.wake_seconds(device, idle_s=clock - free, compute_s=clock - max(free, start_s))
             end = begin + cost.seconds_of(device, collective) + extra
             stream_free[lane] = end
-            pending[node] = _Launch(collective=collective, start_s=begin, end_s=end, launch_s=clock)
+            issue = cost.launch_seconds(device, collective)
+            pending[node] = _Launch(collective=collective, start_s=begin, end_s=end, launch_s=clock, issue_s=issue)
             waiting_for_compute.append(("launch", pending[node]))
+            clock += issue  # the calling thread issues it before it computes again
         elif is_wait(node) and node.args[0] in pending:
             launch = pending[node.args[0]]
-            hidden = max(0.0, min(launch.end_s, clock) - max(launch.start_s, launch.launch_s))
+            hidden = max(0.0, min(launch.end_s, clock) - max(launch.start_s, launch.launch_s + launch.issue_s))
             stall = max(0.0, launch.end_s - clock) + (1.0 - device.overlap) * hidden
             if stall:
                 _close_span(spans, span_start, clock, span_label)

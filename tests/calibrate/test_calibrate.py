@@ -10,7 +10,14 @@ import pytest
 import torch
 
 from simplefsdp.calibrate import calibrate, timings
-from simplefsdp.calibrate.fit import fit_alpha_beta, fit_optimizer, fit_wake, overlap_share, profile_from
+from simplefsdp.calibrate.fit import (
+    fit_alpha_beta,
+    fit_launch,
+    fit_optimizer,
+    fit_wake,
+    overlap_share,
+    profile_from,
+)
 from simplefsdp.passes import cost
 from tests._dist import RankPool
 
@@ -73,6 +80,8 @@ def test_quick_calibration_on_two_ranks_round_trips(tmp_path):
     assert profile.wake_s >= 0
     assert len(data["measured"]["wake"]) == 2, "two idle stretches in quick mode"
     assert set(data["staging"]) == set(cost.COLLECTIVE_KINDS), "staging measured for every kind (Linux)"
+    assert {kind for kind, _, _ in profile.launch} == set(cost.COLLECTIVE_KINDS), "launch measured for every kind"
+    assert all(seconds >= 0 and per_byte >= 0 for _, seconds, per_byte in profile.launch)
     big = cost.collective_seconds(profile, kind="reduce_scatter", nbytes=2**24, world=2)
     assert big > cost.collective_seconds(profile, kind="reduce_scatter", nbytes=2**12, world=2)
 
@@ -89,6 +98,20 @@ def test_fit_wake_recovers_a_saturating_curve_with_drift_and_clamps_noise():
     assert fit_wake(saturating)[2] * 8e-3 < 0.02 * wake, "(next to) no drift where the extra saturates"
     assert fit_wake([(1e-3, -1e-5), (4e-3, -2e-5)]) == (0.0, 1e-4, 0.0), "negative extras (noise): no extra"
     assert fit_wake([]) == (0.0, 1e-3, 0.0)
+
+
+def test_fit_launch_keeps_both_terms_non_negative_and_takes_flat_times_as_a_constant():
+    points = [(x, 2e-4 + x * 1e-10) for x in (4e3, 64e3, 1e6, 16e6)]
+    assert fit_launch(points) == pytest.approx((2e-4, 1e-10), rel=1e-9)
+    flat = [(4e3, 2.3e-4), (1e6, 2.2e-4), (16e6, 2.0e-4)]  # falling with the size: noise, a constant
+    seconds, per_byte = fit_launch(flat)
+    assert per_byte == 0.0
+    assert 2.0e-4 <= seconds <= 2.3e-4
+    steep = [(1e3, 1e-6), (1e6, 1e-3), (2e6, 2.1e-3)]  # a line through < 0: through the origin instead
+    seconds, per_byte = fit_launch(steep)
+    assert seconds == 0.0
+    assert per_byte > 0
+    assert fit_launch([]) == (0.0, 0.0), "not measured: no launch cost"
 
 
 def test_fit_optimizer_solves_per_tensor_and_per_element():

@@ -73,3 +73,26 @@ def test_wake_up_latency_grows_with_the_idle_stretch_before_a_collective():
     assert drifted.comm[1].duration_s == pytest.approx(second.duration_s + 0.5 * compute, rel=1e-9)
     plain = simulate(_graph("launch", "wait", "mm", "launch", "wait"), device=base, phase="forward")
     assert plain.exposed_s == pytest.approx(2 * comm, rel=1e-9), "no wake-up in the named profiles"
+
+
+def test_a_launch_holds_the_compute_clock_and_only_once_when_exposed():
+    """[Note: what a training step adds]: issuing a collective takes the caller's time, which no
+    overlap hides; an exposed collective still costs its back-to-back time once, not that plus it."""
+    base = dataclasses.replace(cost.profile("cpu-gloo"), overlap=1.0)
+    device = dataclasses.replace(base, launch=(("all_gather", 2e-4, 1e-11),))
+    nbytes = 1024 * 1024 * 4
+    issue = 2e-4 + 1e-11 * nbytes
+    comm = cost.collective_seconds(device, kind="all_gather", nbytes=nbytes, world=2)
+    compute = 2 * 1024**3 / device.flops_per_s
+    assert compute > comm > issue, "the matmul hides the collective entirely"
+    hidden = simulate(_graph("launch", "mm", "wait"), device=device, phase="forward")
+    plain = simulate(_graph("launch", "mm", "wait"), device=base, phase="forward")
+    assert plain.end_s == pytest.approx(compute, rel=1e-9)
+    assert hidden.end_s == pytest.approx(compute + issue, rel=1e-9), "the launch on top of the compute"
+    assert hidden.exposed_s == 0.0
+    exposed = simulate(_graph("launch", "wait"), device=device, phase="forward")
+    assert exposed.end_s == pytest.approx(comm, rel=1e-9), "back to back: the launch is part of its time"
+    other_kind = dataclasses.replace(base, launch=(("reduce_scatter", 1e-3, 0.0),))
+    assert simulate(_graph("launch", "mm", "wait"), device=other_kind, phase="forward").end_s == pytest.approx(
+        compute, rel=1e-9
+    ), "charged per kind"
