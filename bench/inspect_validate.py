@@ -1,7 +1,7 @@
 """Validate `simplefsdp inspect`'s dry run: predicted vs measured step time AND peak memory per rank,
 on gloo CPU ranks, for the settings the planner varies.
 
-    python bench/inspect_validate.py                      # ~6 minutes on 2 cores
+    python bench/inspect_validate.py                      # ~9 minutes on 2 cores
     python bench/inspect_validate.py --out bench/results  # also writes inspect_validate.{json,md}
 
 For each world size (2 and 4 ranks):
