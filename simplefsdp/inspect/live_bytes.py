@@ -35,7 +35,7 @@ import torch
 
 from simplefsdp._compat import TorchDispatchMode, tree_leaves
 
-__all__ = ["LiveTensorBytes", "state_bytes"]
+__all__ = ["LiveTensorBytes", "local_shard", "state_bytes"]
 
 
 class LiveTensorBytes(TorchDispatchMode):
@@ -78,16 +78,17 @@ class LiveTensorBytes(TorchDispatchMode):
         return out
 
 
+def local_shard(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of `t` (a DTensor), or `t` itself."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
 def state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
     """Bytes of this rank's parameters (their local shards) and optimizer state: what a step's
     measured peak adds to the bytes `LiveTensorBytes` counts."""
-
-    def local(t: torch.Tensor) -> torch.Tensor:
-        return t.to_local() if hasattr(t, "to_local") else t
-
-    params = sum(local(p).numel() * p.element_size() for p in model.parameters())
+    params = sum(local_shard(p).numel() * p.element_size() for p in model.parameters())
     states = sum(
-        local(v).numel() * v.element_size()
+        local_shard(v).numel() * v.element_size()
         for state in optimizer.state.values()
         for v in state.values()
         if isinstance(v, torch.Tensor)

@@ -27,6 +27,7 @@ import torch
 from torch import fx, nn
 
 from simplefsdp.inspect.capture import StepCapture
+from simplefsdp.inspect.live_bytes import local_shard
 from simplefsdp.passes.liveness import GraphPeak, graph_peak
 
 __all__ = [
@@ -69,18 +70,13 @@ class MemoryEstimate:
         return max(self.forward.max_comm_bytes, self.backward.max_comm_bytes)
 
 
-def _local(param: torch.Tensor) -> torch.Tensor:
-    """This rank's shard of `param` (a DTensor), or `param` itself."""
-    return param.to_local() if hasattr(param, "to_local") else param
-
-
 def _shard_bytes(param: torch.Tensor) -> int:
-    local = _local(param)
+    local = local_shard(param)
     return local.numel() * local.dtype.itemsize
 
 
 def _shard_key(param: torch.Tensor) -> tuple[tuple[int, ...], torch.dtype]:
-    local = _local(param)
+    local = local_shard(param)
     return tuple(local.shape), local.dtype
 
 

@@ -36,6 +36,7 @@ from torch import fx
 
 from simplefsdp._compat import module_fqn
 from simplefsdp.blocks import block_of, find_repeated_blocks
+from simplefsdp.inspect.live_bytes import local_shard
 from simplefsdp.passes import cost
 from simplefsdp.passes.collectives import Collective, is_bucket_copy, is_wait, parse_collective
 
@@ -244,7 +245,7 @@ def simulate_step(
     optimizer: str = "adamw",
 ) -> StepSchedule:
     """Forward, then backward, then the optimizer update of this rank's shards of `model`."""
-    trainable = [_local(p) for p in model.parameters() if p.requires_grad]
+    trainable = [local_shard(p) for p in model.parameters() if p.requires_grad]
     optimizer_s = cost.optimizer_seconds(
         device, optimizer=optimizer, tensors=len(trainable), elements=sum(t.numel() for t in trainable)
     )
@@ -252,8 +253,3 @@ def simulate_step(
     fwd = simulate(forward, device=device, phase="forward", blocks=blocks)
     bwd = simulate(backward, device=device, phase="backward", start_s=fwd.end_s, blocks=blocks)
     return StepSchedule(device=device, forward=fwd, backward=bwd, optimizer_s=optimizer_s)
-
-
-def _local(param: torch.Tensor) -> torch.Tensor:
-    """This rank's shard of a (DTensor) parameter."""
-    return param.to_local() if hasattr(param, "to_local") else param
