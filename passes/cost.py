@@ -34,13 +34,14 @@ rank plans; they do not predict wall time to the microsecond.
   collective's time hidden by compute), enough to rank bucket plans there; `simplefsdp calibrate`
   measures the machine at hand and writes a profile file, which every place that takes a profile
   name also takes (`profile(path)`);
-- the named profiles charge no wake-up latency, no launch time, a memory-bound optimizer step (no
+- the named profiles charge no wake-up latency, no launch time, no copy-op call overhead, a
+  memory-bound optimizer step (no
   per-tensor overhead) and no staging memory for collectives (NCCL's buffers live outside PyTorch's allocator):
   only a calibrated profile measures those (see [Note: what a training step adds]).
 
 [Note: what a training step adds]
 What a training step pays that a collective timed back to back, or a roofline, does not show. All
-four are measured by `simplefsdp calibrate`; the named profiles leave them at zero / memory bound.
+five are measured by `simplefsdp calibrate`; the named profiles leave them at zero / memory bound.
 - Wake-up and drift: a collective launched after its process group sat idle while compute ran
   costs more than one launched right after another (on a 2-core host over gloo: 0.5 ms back to
   back, 1.5 ms after 0.7 ms of matmuls, 2.5 ms after 6 ms -- measured): a quick rise (the
@@ -62,6 +63,12 @@ four are measured by `simplefsdp calibrate`; the named profiles leave them at ze
   collectives a step. `launch` holds, per kind, `seconds + seconds per byte * full buffer bytes`;
   the schedule advances the compute clock by it at each launch (`launch_seconds`). Back-to-back
   timings include it, so the collective's own alpha-beta time still starts at the launch.
+- The copy ops' calls: a bucket's copy-in / copy-out (`kernels/copy_ops.py`) is one custom-op call
+  that builds a tensor per member before any byte moves: the dispatcher, the checks, the outputs
+  (and on a GPU the kernel's pointer table). Timed on the 2-core host with 8-element tensors, a
+  call took 20-30 us plus 2-8 us per member tensor (a 9-member copy-out: about 100 us, a quarter
+  of its whole time at 6 MiB) -- measured; the roofline sees only the bytes. `copy_ops` holds, per
+  op, `seconds + seconds per member tensor`, charged on top of the op's roofline (`node_seconds`).
 - Staging memory: a communication library may copy a collective's buffer while it runs. gloo
   all-gathers into a flat buffer of its own and copies out, and stages a reduce-scatter's input the
   same way: about one full buffer each, held from launch to wait (measured by
@@ -80,16 +87,19 @@ import torch
 from torch import fx
 
 from simplefsdp._compat import flop_registry, tree_leaves
+from simplefsdp.kernels.copy_ops import ALL_GATHER_COPY_IN, ALL_GATHER_COPY_OUT, REDUCE_SCATTER_COPY_IN
 from simplefsdp.passes.collectives import Collective, is_communication, is_view_of_input
 from simplefsdp.passes.liveness import sized_by_this_rank
 
 __all__ = [
     "COLLECTIVE_KINDS",
+    "COPY_OPS",
     "OPTIMIZER_BYTES_PER_ELEMENT",
     "PROFILES",
     "DeviceProfile",
     "collective_seconds",
     "compute_between",
+    "copy_call_seconds",
     "launch_seconds",
     "node_seconds",
     "optimizer_seconds",
@@ -101,6 +111,9 @@ __all__ = [
 
 
 COLLECTIVE_KINDS = ("all_gather", "reduce_scatter", "all_reduce")
+_COPY_OP_TARGETS = {ALL_GATHER_COPY_IN: "all_gather_copy_in", ALL_GATHER_COPY_OUT: "all_gather_copy_out"}
+_COPY_OP_TARGETS[REDUCE_SCATTER_COPY_IN] = "reduce_scatter_copy_in"
+COPY_OPS = tuple(_COPY_OP_TARGETS.values())  # the bucket copy ops a profile may time the calls of
 # bytes read + written per fp32 sharded element by one optimizer step: SGD reads the grad and
 # reads / writes the param and its momentum; AdamW reads / writes two moments
 OPTIMIZER_BYTES_PER_ELEMENT = {"adamw": 4 + 8 + 16, "sgd": 4 + 8 + 8, "none": 0}
@@ -112,7 +125,8 @@ class DeviceProfile:
     `collectives` holds at most one `(kind, latency_s, bus_bytes_per_s)` per kind of `COLLECTIVE_KINDS`,
     `optimizers` at most one `(name, seconds per tensor, seconds per element)` per optimizer of
     `OPTIMIZER_BYTES_PER_ELEMENT`, `launch` at most one `(kind, seconds, seconds per byte)` per kind,
-    all >= 0; wake-up, launch and optimizer terms: [Note: what a training step adds]."""
+    `copy_ops` at most one `(op, seconds, seconds per tensor)` per op of `COPY_OPS`, all >= 0;
+    wake-up, launch, copy-op and optimizer terms: [Note: what a training step adds]."""
 
     name: str
     latency_s: float  # alpha: fixed cost of one collective
@@ -128,6 +142,7 @@ class DeviceProfile:
     optimizers: tuple[tuple[str, float, float], ...] = ()  # (name, tensor_s, element_s) per optimizer
     staging: tuple[tuple[str, float], ...] = ()  # (kind, bytes staged per byte of the full buffer)
     launch: tuple[tuple[str, float, float], ...] = ()  # (kind, seconds, seconds per full-buffer byte)
+    copy_ops: tuple[tuple[str, float, float], ...] = ()  # (op, seconds per call, seconds per member tensor)
 
     def __post_init__(self) -> None:
         rates = {k: getattr(self, k) for k in ("bus_bytes_per_s", "flops_per_s", "memory_bytes_per_s")}
@@ -162,6 +177,12 @@ class DeviceProfile:
             raise ValueError(f"device profile {self.name!r}: launch must be at most one each of {COLLECTIVE_KINDS}")
         if any(a < 0 or b < 0 for _, a, b in self.launch):
             raise ValueError(f"device profile {self.name!r}: launch seconds must be >= 0: {self.launch}")
+        ops = [op for op, _, _ in self.copy_ops]
+        if len(set(ops)) != len(ops) or set(ops) - set(COPY_OPS) or any(a < 0 or b < 0 for _, a, b in self.copy_ops):
+            raise ValueError(
+                f"device profile {self.name!r}: copy_ops must be at most one each of {COPY_OPS}, "
+                f"seconds >= 0: {self.copy_ops}"
+            )
         if any(t < 0 or e < 0 for _, t, e in self.optimizers):
             raise ValueError(f"device profile {self.name!r}: optimizer seconds must be >= 0: {self.optimizers}")
 
@@ -222,7 +243,7 @@ def load_profile(path: str | Path) -> DeviceProfile:
     path = Path(path)
     try:
         data = json.loads(path.read_text())
-        nested = {"collectives", "optimizers", "staging", "launch"}
+        nested = {"collectives", "optimizers", "staging", "launch", "copy_ops"}
         fields = {f.name for f in dataclasses.fields(DeviceProfile)} - nested
         optional = {"overlap", "wake_s", "wake_tau_s", "drift", "capacity_bytes"}
         missing = sorted(f for f in fields - optional if f not in data)
@@ -241,8 +262,19 @@ def load_profile(path: str | Path) -> DeviceProfile:
             (kind, float(fit["seconds"]), float(fit["seconds_per_byte"]))
             for kind, fit in sorted(data.get("launch", {}).items())
         )
+        copy_ops = tuple(
+            (op, float(fit["seconds"]), float(fit["seconds_per_tensor"]))
+            for op, fit in sorted(data.get("copy_ops", {}).items())
+        )
         numbers = {f: (data[f] if f == "name" else float(data[f])) for f in fields if data.get(f) is not None}
-        return DeviceProfile(**numbers, collectives=collectives, optimizers=optimizers, staging=staging, launch=launch)
+        return DeviceProfile(
+            **numbers,
+            collectives=collectives,
+            optimizers=optimizers,
+            staging=staging,
+            launch=launch,
+            copy_ops=copy_ops,
+        )
     except FileNotFoundError:
         raise ValueError(
             f"device profile file {str(path)!r} does not exist (write one with `simplefsdp calibrate`)"
@@ -258,6 +290,7 @@ def save_profile(device: DeviceProfile, path: str | Path, *, extra: dict | None 
     data["optimizers"] = {name: {"tensor_s": t, "element_s": e} for name, t, e in device.optimizers}
     data["staging"] = dict(device.staging)
     data["launch"] = {kind: {"seconds": a, "seconds_per_byte": b} for kind, a, b in device.launch}
+    data["copy_ops"] = {op: {"seconds": a, "seconds_per_tensor": b} for op, a, b in device.copy_ops}
     Path(path).write_text(json.dumps({**data, **(extra or {})}, indent=1) + "\n")
 
 
@@ -280,6 +313,21 @@ def launch_seconds(device: DeviceProfile, collective: Collective) -> float:
     ([Note: what a training step adds]; 0 where the profile has not measured it)."""
     seconds, per_byte = next(((a, b) for k, a, b in device.launch if k == collective.kind), (0.0, 0.0))
     return seconds + per_byte * collective.full_nbytes
+
+
+def copy_call_seconds(device: DeviceProfile, *, op: str, tensors: int) -> float:
+    """Seconds one call of the copy op `op` (of `COPY_OPS`) over `tensors` member tensors costs beyond
+    its bytes ([Note: what a training step adds]; 0 where the profile has not measured it)."""
+    seconds, per_tensor = next(((a, b) for name, a, b in device.copy_ops if name == op), (0.0, 0.0))
+    return seconds + per_tensor * tensors
+
+
+def _copy_call_seconds(device: DeviceProfile, node: fx.Node) -> float:
+    op = _COPY_OP_TARGETS.get(node.target)
+    if op is None or not device.copy_ops:
+        return 0.0
+    members = node.meta["val"] if op == "all_gather_copy_out" else node.args[0]  # outputs / input list
+    return copy_call_seconds(device, op=op, tensors=len(members))
 
 
 def wake_seconds(device: DeviceProfile, *, idle_s: float, compute_s: float) -> float:
@@ -361,12 +409,14 @@ def node_flops(node: fx.Node, values: tuple[tuple, dict] | None = None) -> int:
 
 
 def node_seconds(device: DeviceProfile, node: fx.Node) -> float:
-    """Roofline seconds of one compute node (0 for placeholders, outputs and what moves no data)."""
+    """Roofline seconds of one compute node (0 for placeholders, outputs and what moves no data), plus
+    a bucket copy op's call overhead where the profile measured it (`copy_call_seconds`)."""
     if node.op != "call_function" or "val" not in node.meta or _moves_no_data(node):
         return 0.0
     args = fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta.get("val"))
     moved = _tensor_bytes(args) + _tensor_bytes(node.meta["val"])
-    return max(node_flops(node, args) / device.flops_per_s, moved / device.memory_bytes_per_s)
+    roofline = max(node_flops(node, args) / device.flops_per_s, moved / device.memory_bytes_per_s)
+    return roofline + _copy_call_seconds(device, node)
 
 
 def compute_between(device: DeviceProfile, graph: fx.Graph, marks: list[fx.Node]) -> list[float]:

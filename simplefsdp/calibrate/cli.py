@@ -69,32 +69,37 @@ def calibrate(
 
 
 def _describe(profile: DeviceProfile) -> str:
+    width = 22  # the longest label: "reduce_scatter_copy_in"
+
+    def line(label: str, text: str) -> str:
+        return f"  {label:<{width}} {text}"
+
+    capacity = "unknown" if profile.capacity_bytes is None else f"{profile.capacity_bytes / 2**30:,.1f} GiB per rank"
     lines = [
         f"profile {profile.name!r}",
-        f"  matmul            {profile.flops_per_s / 1e9:,.1f} GFLOP/s",
-        f"  memory            {profile.memory_bytes_per_s / 1e9:,.2f} GB/s",
-        f"  overlap           {profile.overlap:.2f} of communication time runs beside compute",
-        "  capacity          "
-        + ("unknown" if profile.capacity_bytes is None else f"{profile.capacity_bytes / 2**30:,.1f} GiB per rank"),
+        line("matmul", f"{profile.flops_per_s / 1e9:,.1f} GFLOP/s"),
+        line("memory", f"{profile.memory_bytes_per_s / 1e9:,.2f} GB/s"),
+        line("overlap", f"{profile.overlap:.2f} of communication time runs beside compute"),
+        line("capacity", capacity),
     ]
     for kind, latency, bandwidth in profile.collectives:
         staged = profile.staging_factor(kind)
-        lines.append(
-            f"  {kind:<17} {latency * 1e6:,.0f} us + bytes / {bandwidth / 1e9:,.2f} GB/s"
-            + (f", stages {staged:.2f} x its buffer" if staged else "")
-        )
+        text = f"{latency * 1e6:,.0f} us + bytes / {bandwidth / 1e9:,.2f} GB/s"
+        lines.append(line(kind, text + (f", stages {staged:.2f} x its buffer" if staged else "")))
     lines.append(
-        f"  after idle        +{profile.wake_s * 1e6:,.0f} us wake-up (tau {profile.wake_tau_s * 1e3:.2f} ms)"
-        f" + {profile.drift:.2f} s per s of compute"
+        line(
+            "after idle",
+            f"+{profile.wake_s * 1e6:,.0f} us wake-up (tau {profile.wake_tau_s * 1e3:.2f} ms)"
+            f" + {profile.drift:.2f} s per s of compute",
+        )
     )
     for kind, seconds, per_byte in profile.launch:
-        lines.append(
-            f"  {kind + ' launch':<17} {seconds * 1e6:,.0f} us"
-            + (f" + bytes / {1 / per_byte / 1e9:,.2f} GB/s" if per_byte else "")
-            + " of the caller's time"
-        )
+        rate = f" + bytes / {1 / per_byte / 1e9:,.2f} GB/s" if per_byte else ""
+        lines.append(line(f"{kind} launch", f"{seconds * 1e6:,.0f} us{rate} of the caller's time"))
+    for op, seconds, per_tensor in profile.copy_ops:
+        lines.append(line(op, f"{seconds * 1e6:,.0f} us + {per_tensor * 1e6:,.1f} us per member tensor, a call"))
     for name, per_tensor, per_element in profile.optimizers:
-        lines.append(f"  {name:<17} {per_tensor * 1e6:,.1f} us per parameter + {per_element * 1e9:.2f} ns per element")
+        lines.append(line(name, f"{per_tensor * 1e6:,.1f} us per parameter + {per_element * 1e9:.2f} ns per element"))
     return "\n".join(lines)
 
 

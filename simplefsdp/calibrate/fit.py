@@ -21,6 +21,8 @@ around zero fits no extra at all).
 
 Launch: per kind, `seconds + bytes * seconds_per_byte` through the `(full buffer bytes, seconds)`
 points by `fit_launch` (relative error, both terms >= 0; times that do not grow fit a constant).
+Copy-op calls: per op, `seconds + members * seconds_per_tensor` through the `(member tensors,
+seconds)` points, by the same `fit_launch`.
 
 Optimizer: `seconds = tensors * tensor_s + tensors * elements * element_s` through the measured
 shapes (least squares over them; two shapes: the exact solution), each term clamped at zero.
@@ -71,7 +73,8 @@ def fit_alpha_beta(points: list[tuple[float, float]]) -> tuple[float, float]:
 
 
 def fit_launch(points: list[tuple[float, float]]) -> tuple[float, float]:
-    """(seconds, seconds per byte) of `t = seconds + bytes * per_byte` through `points` `(bytes, t)`,
+    """(seconds, seconds per byte) of `t = seconds + bytes * per_byte` through `points` `(bytes, t)`
+    (or any other size: the copy-op calls fit seconds per member tensor the same way),
     both >= 0: the relative-error line of `fit_alpha_beta`, except that times which do not grow
     with the size fit a constant (their weighted mean), not an error -- an all-gather's launch costs
     about the same at every size -- and a line through a negative intercept is refitted through 0."""
@@ -173,6 +176,10 @@ def profile_from(measured: Measurements, *, name: str) -> DeviceProfile:
         launch=tuple(
             (kind, *fit_launch([(float(b), t) for b, t in points]))
             for kind, points in sorted(measured.launches.items())
+        ),
+        copy_ops=tuple(
+            (op, *fit_launch([(float(members), t) for members, t in points]))
+            for op, points in sorted(measured.copy_calls.items())
         ),
         capacity_bytes=measured.capacity_bytes,
     )

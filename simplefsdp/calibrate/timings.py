@@ -19,6 +19,9 @@ returns the same `Measurements` and the fitted profile does not depend on which 
 - launch: an asynchronous functional all-gather / reduce-scatter / all-reduce at each size, timed
   until it returns to the caller -> the compute time each launch takes (`fit.fit_launch`; [Note:
   what a training step adds]);
+- copy-op calls: each bucket copy op (`kernels/copy_ops.py`, the implementation this device runs)
+  over 1, 4 and 16 member tensors of 8 elements, timed until it returns -> its fixed seconds and
+  seconds per member, what a call costs beyond the bytes it moves (`fit.fit_launch`);
 - staging: the memory one all-gather / reduce-scatter / all-reduce of a 64 MiB buffer takes beyond
   its own input and output (on a GPU the caching allocator's peak; on the CPU the kernel's resident
   high-water mark: above glibc's largest dynamic mmap threshold, 32 MiB, a staging buffer is
@@ -34,6 +37,7 @@ returns the same `Measurements` and the fitted profile does not depend on which 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import statistics
 import time
@@ -46,6 +50,7 @@ import torch.distributed as dist
 from simplefsdp._compat import all_gather_single, c10d_functional, reduce_scatter_single
 from simplefsdp.calibrate.fit import fit_alpha_beta
 from simplefsdp.calibrate.high_water import high_water_bytes
+from simplefsdp.kernels.copy_ops import ALL_GATHER_COPY_IN, ALL_GATHER_COPY_OUT, REDUCE_SCATTER_COPY_IN
 from simplefsdp.passes.cost import COLLECTIVE_KINDS
 
 __all__ = ["Measurements", "measure"]
@@ -76,6 +81,8 @@ class Measurements:
     staging: dict[str, float] = dataclasses.field(default_factory=dict)  # kind -> bytes per full-buffer byte
     launches: dict[str, list[tuple[int, float]]] = dataclasses.field(default_factory=dict)
     # kind -> [(full buffer bytes, seconds until an asynchronous launch returns)]
+    copy_calls: dict[str, list[tuple[int, float]]] = dataclasses.field(default_factory=dict)
+    # copy op -> [(member tensors, seconds until a call on 8-element members returns)]
     capacity_bytes: float | None = None  # memory one rank may use
 
 
@@ -263,6 +270,42 @@ def _launches(device: torch.device, plan: _Plan) -> dict[str, list[tuple[int, fl
     return result
 
 
+_COPY_CALL_MEMBERS = (1, 4, 16)  # member tensors of the timed copy-op calls
+_COPY_CALL_NUMEL = 8  # elements per member: the call's own cost, not its bytes
+
+
+def _copy_calls(device: torch.device, plan: _Plan) -> dict[str, list[tuple[int, float]]]:
+    """Per bucket copy op and member count: seconds until a call on tiny members returns (for a
+    GPU kernel: its launch, not its run), agreed over the ranks. Runs on this rank alone."""
+    world, rank, n = dist.get_world_size(), dist.get_rank(), _COPY_CALL_NUMEL
+    calls = {}
+    for members in _COPY_CALL_MEMBERS:
+        shards = [torch.ones(n, device=device) for _ in range(members)]
+        gathered = torch.ones(world * n * members, device=device)
+        grads = [torch.ones(world * n, device=device) for _ in range(members)]
+        chunks, sizes, ndims = [n] * members, [world * n] * members, [1] * members
+        calls[members] = {
+            "all_gather_copy_in": functools.partial(ALL_GATHER_COPY_IN, shards, chunks, torch.float32, world, rank),
+            "all_gather_copy_out": functools.partial(ALL_GATHER_COPY_OUT, gathered, chunks, sizes, ndims, world),
+            "reduce_scatter_copy_in": functools.partial(REDUCE_SCATTER_COPY_IN, grads, world, torch.float32, 1.0),
+        }
+    ops = list(calls[_COPY_CALL_MEMBERS[0]])
+    times = []
+    for op in ops:
+        for members in _COPY_CALL_MEMBERS:
+            call = calls[members][op]
+            call()  # warm-up (the first call of a device type picks the kernel)
+            samples = []
+            for _ in range(max(plan.repeats, 9)):
+                _sync(device)
+                start = time.perf_counter()
+                call()
+                samples.append(time.perf_counter() - start)
+            times.append(statistics.median(samples))
+    agreed = iter(_agree(times, device))
+    return {op: [(members, next(agreed)) for members in _COPY_CALL_MEMBERS] for op in ops}
+
+
 _WAKE_BYTES = 64 * KIB  # full buffer of the all-gather the wake-up is measured with
 _WAKE_N = 256  # the matmul the idle stretches are made of (about half a millisecond on one CPU core)
 
@@ -386,6 +429,7 @@ def measure(*, device: torch.device, quick: bool = False) -> Measurements:
     overlap = _overlap(device, plan)
     wake = _wake(device, plan)
     launches = _launches(device, plan)
+    copy_calls = _copy_calls(device, plan)
     optimizers = _optimizers(device, plan)
     staging = _staging(device)
     steps = [s for name in optimizers for _, _, s in optimizers[name]]
@@ -413,5 +457,6 @@ def measure(*, device: torch.device, quick: bool = False) -> Measurements:
         optimizers={name: [(t, e, next(step_times)) for t, e, _ in shapes] for name, shapes in optimizers.items()},
         staging=dict(zip(kinds, staged, strict=True)) if staging else {},
         launches=launches,
+        copy_calls=copy_calls,
         capacity_bytes=_capacity(device),
     )

@@ -82,6 +82,9 @@ def test_quick_calibration_on_two_ranks_round_trips(tmp_path):
     assert set(data["staging"]) == set(cost.COLLECTIVE_KINDS), "staging measured for every kind (Linux)"
     assert {kind for kind, _, _ in profile.launch} == set(cost.COLLECTIVE_KINDS), "launch measured for every kind"
     assert all(seconds >= 0 and per_byte >= 0 for _, seconds, per_byte in profile.launch)
+    assert {op for op, _, _ in profile.copy_ops} == set(cost.COPY_OPS), "every copy op's call measured"
+    assert all(seconds > 0 and per_tensor >= 0 for _, seconds, per_tensor in profile.copy_ops), "a call costs"
+    assert [m for m, _ in data["measured"]["copy_calls"]["all_gather_copy_out"]] == [1, 4, 16]
     big = cost.collective_seconds(profile, kind="reduce_scatter", nbytes=2**24, world=2)
     assert big > cost.collective_seconds(profile, kind="reduce_scatter", nbytes=2**12, world=2)
 

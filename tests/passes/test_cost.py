@@ -144,12 +144,49 @@ def test_profile_file_round_trips_the_step_terms(tmp_path):
         drift=0.1,
         staging=(("all_gather", 1.0),),
         optimizers=(("adamw", 1e-4, 2e-9), ("sgd", 5e-5, 1e-9)),
+        launch=(("all_gather", 2e-4, 1e-11),),
+        copy_ops=(("all_gather_copy_out", 3e-5, 7e-6), ("reduce_scatter_copy_in", 2e-5, 2e-6)),
     )
     cost.save_profile(device, tmp_path / "p.json")
     assert cost.profile(str(tmp_path / "p.json")) == device
+    with pytest.raises(ValueError, match=r"copy_ops must be at most one each of .*\('pack', "):
+        dataclasses.replace(H100, copy_ops=(("pack", 1e-5, 0.0),))
+    with pytest.raises(ValueError, match=r"copy_ops must be .* seconds >= 0"):
+        dataclasses.replace(H100, copy_ops=(("all_gather_copy_in", 1e-5, -1e-6),))
     with pytest.raises(ValueError, match=r"optimizers must be at most one each of .*got \['adam'\]"):
         dataclasses.replace(H100, optimizers=(("adam", 1e-4, 1e-9),))
     with pytest.raises(ValueError, match="wake_s and drift must be >= 0"):
         dataclasses.replace(H100, wake_s=-1.0)
     with pytest.raises(ValueError, match="wake_s and drift must be >= 0"):
         dataclasses.replace(H100, drift=-0.1)
+
+
+def test_a_copy_op_costs_its_call_on_top_of_its_bytes():
+    """[Note: what a training step adds], the copy ops' calls: a measured profile charges each bucket
+    copy op `seconds + seconds per member tensor` beyond its roofline; other nodes and named profiles
+    pay nothing extra."""
+    from simplefsdp.kernels.copy_ops import ALL_GATHER_COPY_OUT, REDUCE_SCATTER_COPY_IN
+
+    world, chunks = 2, [64, 256, 32]
+    with FakeTensorMode() as mode:
+        gathered = mode.from_tensor(torch.empty(world * sum(chunks)))
+        outs = ALL_GATHER_COPY_OUT(gathered, chunks, [128, 512, 64], [1, 1, 1], world)
+        grads = [mode.from_tensor(torch.empty(n)) for n in (128, 512)]
+        flat = REDUCE_SCATTER_COPY_IN(grads, world, torch.float32, 1.0)
+    graph = fx.Graph()
+    g, r0, r1 = (graph.placeholder(name) for name in ("g", "r0", "r1"))
+    g.meta["val"], r0.meta["val"], r1.meta["val"] = gathered, *grads
+    out = graph.call_function(ALL_GATHER_COPY_OUT, (g, chunks, [128, 512, 64], [1, 1, 1], world))
+    out.meta["val"] = outs
+    rs = graph.call_function(REDUCE_SCATTER_COPY_IN, ([r0, r1], world, torch.float32, 1.0))
+    rs.meta["val"] = flat
+    cpu = cost.profile("cpu-gloo")
+    measured = dataclasses.replace(
+        cpu, copy_ops=(("all_gather_copy_out", 3e-5, 7e-6), ("reduce_scatter_copy_in", 2e-5, 0.0))
+    )
+    assert cost.node_seconds(measured, out) == pytest.approx(cost.node_seconds(cpu, out) + 3e-5 + 3 * 7e-6)
+    assert cost.node_seconds(cpu, out) == pytest.approx(2 * 4 * world * sum(chunks) / cpu.memory_bytes_per_s)
+    assert cost.node_seconds(measured, rs) == pytest.approx(cost.node_seconds(cpu, rs) + 2e-5), "fixed only"
+    assert cost.copy_call_seconds(measured, op="all_gather_copy_in", tensors=5) == 0.0, "not measured: nothing"
+    mm = _node(torch.ops.aten.mm.default, (64, 64), (64, 64))
+    assert cost.node_seconds(measured, mm) == cost.node_seconds(cpu, mm), "only the copy ops pay a call"
