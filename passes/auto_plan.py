@@ -18,6 +18,13 @@ budget thus gives smaller buckets and makes depth 1 pay for its overlap with mor
 collectives; a loose one lets the cheaper schedule take few large buckets. The reordering that
 follows gets the chosen depth, and checks the peak itself (`reorder.py`, [Note: the memory budget]).
 
+[Note: what a bucket costs whatever overlaps it]
+Issuing a collective holds the calling thread (`cost.launch_seconds`), and a bucket of two or more
+members adds its copy ops' calls (`cost.copy_call_seconds`: copy-in and copy-out for a gather,
+copy-in for a reduction); no overlap hides either. Where the profile measured them, the plan charges
+them per bucket (`bucket_fixed_seconds`), so many small buckets pay for their count, as they do in
+the dry run's schedule; a named profile measures neither, and the plan is then the same as without.
+
 Invariant: a pure function of the graph, the profile and the budget -- the same on every rank.
 """
 
@@ -31,16 +38,27 @@ from simplefsdp.passes import cost
 from simplefsdp.passes.collectives import Collective
 from simplefsdp.passes.plan import Bucket, Candidate, MergeKey, exposed_seconds, plan_by_cost
 
-__all__ = ["AutoPlan", "plan_auto"]
+__all__ = ["AutoPlan", "bucket_fixed_seconds", "plan_auto"]
 
 PREFETCH_DEPTHS = (0, 1)  # the schedules weighed (plan_by_cost models depth 1; deeper is not modelled)
+
+
+def bucket_fixed_seconds(device: cost.DeviceProfile, *, key: MergeKey, nbytes: int, members: int) -> float:
+    """Seconds one bucket of `members` collectives of `key`, each rank sending `nbytes` in all, costs
+    the step whatever runs beside it ([Note: what a bucket costs whatever overlaps it])."""
+    gather = key.kind == "all_gather"
+    seconds = cost.launch_seconds(device, kind=key.kind, nbytes=nbytes * key.group_size if gather else nbytes)
+    if members < 2:  # a lone collective keeps its own cast / pad nodes: no copy op
+        return seconds
+    ops = ("all_gather_copy_in", "all_gather_copy_out") if gather else ("reduce_scatter_copy_in",)
+    return seconds + sum(cost.copy_call_seconds(device, op=op, tensors=members) for op in ops)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class AutoPlan:
     buckets: list[Bucket]
     prefetch_depth: int | None  # for all-gathers; None for reductions
-    exposed_s: float  # predicted exposed communication
+    exposed_s: float  # predicted exposed communication, the buckets' fixed costs included
 
 
 def plan_auto(
@@ -59,10 +77,13 @@ def plan_auto(
         full = nbytes * key.group_size if key.kind == "all_gather" else nbytes
         return cost.collective_seconds(device, kind=key.kind, nbytes=full, world=key.group_size)
 
+    def fixed_s(key: MergeKey, nbytes: int, members: int) -> float:
+        return bucket_fixed_seconds(device, key=key, nbytes=nbytes, members=members)
+
     def plan(windows_s: list[float], cap: int) -> tuple[list[Bucket], float]:
-        buckets = plan_by_cost(candidates, windows_s=windows_s, comm_s=comm_s, cap_bytes=cap, overlap=device.overlap)
-        exposed = exposed_seconds(candidates, buckets, windows_s=windows_s, comm_s=comm_s, overlap=device.overlap)
-        return buckets, exposed
+        model = {"windows_s": windows_s, "comm_s": comm_s, "overlap": device.overlap, "fixed_s": fixed_s}
+        buckets = plan_by_cost(candidates, cap_bytes=cap, **model)
+        return buckets, exposed_seconds(candidates, buckets, **model)
 
     world = max((c.key.group_size for c in candidates), default=1)
     if not candidates or candidates[0].key.kind != "all_gather":

@@ -308,11 +308,12 @@ def seconds_of(device: DeviceProfile, collective: Collective) -> float:
     return collective_seconds(device, kind=collective.kind, nbytes=collective.full_nbytes, world=collective.group_size)
 
 
-def launch_seconds(device: DeviceProfile, collective: Collective) -> float:
-    """Seconds the calling thread spends issuing `collective` before it returns to compute
-    ([Note: what a training step adds]; 0 where the profile has not measured it)."""
-    seconds, per_byte = next(((a, b) for k, a, b in device.launch if k == collective.kind), (0.0, 0.0))
-    return seconds + per_byte * collective.full_nbytes
+def launch_seconds(device: DeviceProfile, *, kind: str, nbytes: int) -> float:
+    """Seconds the calling thread spends issuing a collective of `kind` whose full buffer has `nbytes`
+    before it returns to compute ([Note: what a training step adds]; 0 where the profile has not
+    measured it)."""
+    seconds, per_byte = next(((a, b) for k, a, b in device.launch if k == kind), (0.0, 0.0))
+    return seconds + per_byte * nbytes
 
 
 def copy_call_seconds(device: DeviceProfile, *, op: str, tensors: int) -> float:

@@ -143,6 +143,7 @@ def plan_by_cost(
     comm_s: Callable[[MergeKey, int], float],
     cap_bytes: int,
     overlap: float = 1.0,
+    fixed_s: Callable[[MergeKey, int, int], float] | None = None,
 ) -> list[Bucket]:
     """Buckets that minimise the communication a cost model says is left exposed.
 
@@ -160,7 +161,9 @@ def plan_by_cost(
 
     Per merge key, over that key's candidates in that order, a bucket `[s, e)` costs
     `max(0, c - w) + (1 - overlap) * min(c, w)` with `c = comm_s(bytes[s:e])` and `w = compute[p:s]`,
-    `[p, s)` the bucket before it (the first overlaps nothing: `w = 0`), plus a tiny charge per
+    `[p, s)` the bucket before it (the first overlaps nothing: `w = 0`), plus `fixed_s(key, bytes,
+    members)` -- what a bucket costs the step whatever runs beside it (issuing the collective, the
+    copy ops' calls: `auto_plan.bucket_fixed_seconds`; none if not given) -- plus a tiny charge per
     bucket so ties prefer fewer collectives. `overlap` is the share of communication time that
     really runs in parallel with compute (`DeviceProfile.overlap`). Buckets stay
     within `cap_bytes` (a single oversize candidate gets its own) and hold at most 64 members.
@@ -175,7 +178,8 @@ def plan_by_cost(
     buckets = []
     for key, positions, compute in _planning_order(candidates, windows_s):
         sizes = [candidates[p].nbytes for p in positions]
-        for s, e in _best_runs(sizes, compute, lambda n, key=key: comm_s(key, n), cap_bytes, overlap):
+        fixed = (lambda n, m, key=key: fixed_s(key, n, m)) if fixed_s is not None else _no_fixed
+        for s, e in _best_runs(sizes, compute, lambda n, key=key: comm_s(key, n), fixed, cap_bytes, overlap):
             buckets.append(Bucket(tuple(sorted(candidates[p].index for p in positions[s:e]))))
     return _ordered(buckets)
 
@@ -205,27 +209,39 @@ def exposed_seconds(
     windows_s: Sequence[float],
     comm_s: Callable[[MergeKey, int], float],
     overlap: float = 1.0,
+    fixed_s: Callable[[MergeKey, int, int], float] | None = None,
 ) -> float:
-    """The seconds of communication `buckets` leave exposed under `plan_by_cost`'s model (without its
-    tie-breaking charge): what the auto plan minimises, for any plan of `candidates`."""
+    """The seconds of communication `buckets` leave exposed under `plan_by_cost`'s model, its fixed
+    charges included (without its tie-breaking charge): what the auto plan minimises, for any plan
+    of `candidates`."""
     index_of = {c.index: position for position, c in enumerate(candidates)}
     bucket_of = {index_of[i]: b for b, bucket in enumerate(buckets) for i in bucket.members}
     total = 0.0
     for key, positions, compute in _planning_order(candidates, windows_s):
-        runs: list[tuple[int, int, float]] = []  # (bucket, bytes, compute) in planning order
+        runs: list[tuple[int, int, float, int]] = []  # (bucket, bytes, compute, members) in planning order
         for position, seconds in zip(positions, compute, strict=True):
-            b = bucket_of[position]
+            b, nbytes = bucket_of[position], candidates[position].nbytes
             if runs and runs[-1][0] == b:
-                runs[-1] = (b, runs[-1][1] + candidates[position].nbytes, runs[-1][2] + seconds)
+                runs[-1] = (b, runs[-1][1] + nbytes, runs[-1][2] + seconds, runs[-1][3] + 1)
             else:
-                runs.append((b, candidates[position].nbytes, seconds))
-        for k, (_, nbytes, _) in enumerate(runs):
+                runs.append((b, nbytes, seconds, 1))
+        for k, (_, nbytes, _, members) in enumerate(runs):
             total += _exposed(comm_s(key, nbytes), runs[k - 1][2] if k else 0.0, overlap)
+            total += fixed_s(key, nbytes, members) if fixed_s is not None else 0.0
     return total
 
 
+def _no_fixed(nbytes: int, members: int) -> float:
+    return 0.0
+
+
 def _best_runs(
-    sizes: list[int], compute: list[float], comm: Callable[[int], float], cap: int, overlap: float
+    sizes: list[int],
+    compute: list[float],
+    comm: Callable[[int], float],
+    fixed: Callable[[int, int], float],
+    cap: int,
+    overlap: float,
 ) -> list[tuple[int, int]]:
     """Dynamic program of `plan_by_cost` over one key's candidates: the runs `[s, e)` it picks."""
     n, tie = len(sizes), 1e-12
@@ -244,16 +260,18 @@ def _best_runs(
         for s in range(max(0, e - _MAX_BUCKET_LEN), e):
             if not fits(s, e):
                 continue
-            comm_here = comm(prefix_bytes[e] - prefix_bytes[s])
+            nbytes = prefix_bytes[e] - prefix_bytes[s]
+            comm_here, fixed_here = comm(nbytes), fixed(nbytes, e - s) + tie
             if s == 0:
-                best[(s, e)], parent[(s, e)] = comm_here + tie, None
+                best[(s, e)], parent[(s, e)] = comm_here + fixed_here, None
                 continue
             options = [
-                (best[(p, s)] + _exposed(comm_here, prefix_compute[s] - prefix_compute[p], overlap) + tie, (p, s))
+                (best[(p, s)] + _exposed(comm_here, prefix_compute[s] - prefix_compute[p], overlap), (p, s))
                 for p in range(max(0, s - _MAX_BUCKET_LEN), s)
                 if (p, s) in best
             ]
-            best[(s, e)], parent[(s, e)] = min(options)
+            least, before = min(options)
+            best[(s, e)], parent[(s, e)] = least + fixed_here, before
     last = min((cost, run) for run, cost in best.items() if run[1] == n)[1] if n else None
     runs = []
     while last is not None:

@@ -172,7 +172,7 @@ def simulate(
             extra = cost.wake_seconds(device, idle_s=clock - free, compute_s=clock - max(free, start_s))
             end = begin + cost.seconds_of(device, collective) + extra
             stream_free[lane] = end
-            issue = cost.launch_seconds(device, collective)
+            issue = cost.launch_seconds(device, kind=collective.kind, nbytes=collective.full_nbytes)
             pending[node] = _Launch(collective=collective, start_s=begin, end_s=end, launch_s=clock, issue_s=issue)
             waiting_for_compute.append(("launch", pending[node]))
             clock += issue  # the calling thread issues it before it computes again

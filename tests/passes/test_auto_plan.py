@@ -100,3 +100,28 @@ def test_memory_budget_is_checked():
         simplefsdp.passes.fsdp_pass.parse_memory_budget("lots")
     assert simplefsdp.passes.fsdp_pass.parse_memory_budget("512MiB") == 512 * 2**20
     assert BucketConfig(plan="auto", memory_budget=0.5).budget_bytes(1000) == 500
+
+
+def test_a_bucket_costs_its_launch_and_its_copy_calls_where_measured():
+    """[Note: what a bucket costs whatever overlaps it]: a gather bucket pays its launch (on the full
+    buffer) and a copy-in and a copy-out call; a reduction one copy-in; a lone collective no copy op."""
+    from simplefsdp.passes.auto_plan import bucket_fixed_seconds
+    from simplefsdp.passes.plan import MergeKey
+
+    measured = dataclasses.replace(
+        cost.profile("cpu-gloo"),
+        launch=(("all_gather", 1e-4, 1e-9), ("reduce_scatter", 2e-4, 0.0)),
+        copy_ops=(
+            ("all_gather_copy_in", 3e-5, 5e-6),
+            ("all_gather_copy_out", 2e-5, 8e-6),
+            ("reduce_scatter_copy_in", 1e-5, 1e-6),
+        ),
+    )
+    gather = MergeKey(kind="all_gather", group_name="0", group_size=2, dtype=torch.float32, reduce_op=None)
+    scatter = dataclasses.replace(gather, kind="reduce_scatter", reduce_op="avg")
+    assert bucket_fixed_seconds(measured, key=gather, nbytes=1000, members=4) == pytest.approx(
+        1e-4 + 1e-9 * 2000 + (3e-5 + 4 * 5e-6) + (2e-5 + 4 * 8e-6)
+    )
+    assert bucket_fixed_seconds(measured, key=gather, nbytes=1000, members=1) == pytest.approx(1e-4 + 1e-9 * 2000)
+    assert bucket_fixed_seconds(measured, key=scatter, nbytes=1000, members=3) == pytest.approx(2e-4 + 1e-5 + 3e-6)
+    assert bucket_fixed_seconds(cost.profile("cpu-gloo"), key=gather, nbytes=1000, members=4) == 0.0, "named: none"

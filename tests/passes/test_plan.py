@@ -194,6 +194,27 @@ def test_cost_plan_takes_reductions_from_the_last():
     assert buckets[-1].members == (5,), "the last bucket is exposed: keep it small"
 
 
+def test_a_fixed_cost_per_bucket_merges_what_overlap_would_split():
+    """The split case above, with each bucket also costing a fixed 10 ms whatever runs beside it
+    (issuing it, its copy ops' calls): hiding 5 of the 6 ms of transfer behind compute no longer pays
+    for a second bucket (one: 6 + 10 ms; the split: 1 + 0 + 2 * 10 ms)."""
+    comm = _latency_bandwidth(1e-6, 1e-6)
+    fixed = []
+
+    def fixed_s(key, nbytes, members):
+        fixed.append((key.kind, nbytes, members))
+        return 10e-3
+
+    split = plan_by_cost(_same_key(6), windows_s=[5e-3] * 7, comm_s=comm, cap_bytes=10**9)
+    assert len(split) > 1, "without the fixed cost: split (the test above)"
+    buckets = plan_by_cost(_same_key(6), windows_s=[5e-3] * 7, comm_s=comm, cap_bytes=10**9, fixed_s=fixed_s)
+    assert [b.members for b in buckets] == [(0, 1, 2, 3, 4, 5)]
+    assert ("all_gather", 6000, 6) in fixed, "charged per bucket, with its bytes and member count"
+    model = {"windows_s": [5e-3] * 7, "comm_s": comm}
+    without = exposed_seconds(_same_key(6), buckets, **model)
+    assert exposed_seconds(_same_key(6), buckets, **model, fixed_s=fixed_s) == pytest.approx(without + 10e-3)
+
+
 def test_cost_plan_respects_the_cap():
     buckets = plan_by_cost(_same_key(6), windows_s=[0.0] * 7, comm_s=_latency_bandwidth(1e-3, 0), cap_bytes=2000)
     assert [b.members for b in buckets] == [(0, 1), (2, 3), (4, 5)]
@@ -206,7 +227,9 @@ def test_cost_plan_exposes_no_more_than_other_plans(candidates, cap, data):
     windows = [data.draw(st.floats(0, 1e-3)) for _ in range(len(candidates) + 1)]
     comm = _latency_bandwidth(alpha=data.draw(st.floats(0, 1e-4)), per_byte=data.draw(st.floats(0, 1e-6)))
     overlap = data.draw(st.sampled_from([0.0, 0.5, 1.0]))
-    kwargs = {"windows_s": windows, "comm_s": comm, "overlap": overlap}
+    per_bucket, per_member = data.draw(st.floats(0, 1e-4)), data.draw(st.floats(0, 1e-5))
+    fixed = data.draw(st.sampled_from([None, lambda key, nbytes, members: per_bucket + per_member * members]))
+    kwargs = {"windows_s": windows, "comm_s": comm, "overlap": overlap, "fixed_s": fixed}
     best = exposed_seconds(candidates, plan_by_cost(candidates, cap_bytes=cap, **kwargs), **kwargs)
     for other in (plan_by_cap(candidates, cap_bytes=cap), plan_by_cap(candidates, cap_bytes=1)):
         assert best <= exposed_seconds(candidates, other, **kwargs) + 1e-9
