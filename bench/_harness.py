@@ -8,7 +8,6 @@ bench/ first on the path; the spawned ranks inherit it).
 from __future__ import annotations
 
 import argparse
-import ctypes
 import os
 import re
 import statistics
@@ -22,6 +21,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from simplefsdp.calibrate.high_water import high_water_bytes
+from simplefsdp.cpu_memory import keep_freed_memory, return_freed_memory, trim_freed_memory
 from simplefsdp.inspect.live_bytes import state_bytes
 from simplefsdp.models import TransformerArgs
 from simplefsdp.ranks import died_after_finishing
@@ -105,17 +105,15 @@ def paired_speedup(baseline: list[float], times: list[float]) -> tuple[float, fl
     return median, q1, q3
 
 
-_M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
-
-
 def release_freed_memory(device: torch.device) -> None:
-    """On the CPU, make glibc map blocks of 64 KiB and more on their own and unmap them when freed,
-    so the resident high-water mark `transient_peak` reads follows what a step allocates more
-    closely -- not exactly: a large block carved from the free top of a heap stays resident once
-    freed (see [Note: resident is not allocated] in `simplefsdp/calibrate/high_water.py`). Call it
-    after the timing: it changes how fast allocation is."""
+    """On the CPU, make glibc map blocks of 64 KiB and more on their own and unmap them when freed
+    (`simplefsdp.cpu_memory.return_freed_memory`), so the resident high-water mark `transient_peak`
+    reads follows what a step allocates more closely -- not exactly: a large block carved from the
+    free top of a heap stays resident once freed (see [Note: resident is not allocated] in
+    `simplefsdp/calibrate/high_water.py`). Call it after the timing: it undoes what `_rank` set for
+    it ([Note: freed memory kept on the CPU] in `simplefsdp/cpu_memory.py`)."""
     if device.type == "cpu":
-        ctypes.CDLL("libc.so.6").mallopt(_M_MMAP_THRESHOLD, 64 * 1024)
+        return_freed_memory()
 
 
 def transient_peak(step: Callable[[], None], device: torch.device) -> int:
@@ -123,7 +121,7 @@ def transient_peak(step: Callable[[], None], device: torch.device) -> int:
     (`simplefsdp.calibrate.high_water.high_water_bytes`); on the CPU after `malloc_trim`, so freed
     memory glibc still held does not hide the step's (call `release_freed_memory` first)."""
     if device.type == "cpu":
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
+        trim_freed_memory()
     return high_water_bytes(step, device)
 
 
@@ -132,6 +130,7 @@ def _rank(rank: int, world: int, store: str, backend: str, worker: Callable, arg
         torch.cuda.set_device(rank)
     else:
         torch.set_num_threads(max(1, (os.cpu_count() or world) // world))
+        keep_freed_memory()  # every row alike: [Note: freed memory kept on the CPU] in simplefsdp/cpu_memory.py
     dist.init_process_group(backend, init_method=f"file://{store}", rank=rank, world_size=world)
     try:
         worker(rank, args, results)

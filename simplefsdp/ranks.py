@@ -12,8 +12,9 @@ use NCCL and one GPU each (`cuda:LOCAL_RANK`); CPU ranks use gloo. `simplefsdp t
 Every spawned rank compiles its own graphs; by default inductor starts a pool of compile workers
 per process sized to the machine, so N ranks on a small machine fight N pools for its cores.
 Spawned CPU ranks get `TORCHINDUCTOR_COMPILE_THREADS=1` and an equal share of the cores for
-intra-op threads, unless the environment already sets the variable. Under torchrun the user's
-environment is left as it is.
+intra-op threads, unless the environment already sets the variable, and keep the memory they free
+for their next step ([Note: freed memory kept on the CPU] in `cpu_memory.py`). Under torchrun the
+user's environment is left as it is.
 
 [Note: a rank that dies after finishing]
 A gloo rank has been seen to abort ("terminate called without an active exception", SIGABRT) in 3
@@ -48,6 +49,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from simplefsdp._compat import set_torch_logs
+from simplefsdp.cpu_memory import keep_freed_memory
 
 __all__ = ["RankFailedError", "died_after_finishing", "run_on_ranks", "under_torchrun"]
 
@@ -121,6 +123,7 @@ def _spawned(
     _setup_logging(rank, loggers, verbose=verbose)
     if device_type == "cpu":
         torch.set_num_threads(max(1, (os.cpu_count() or world) // world))
+        keep_freed_memory()  # [Note: freed memory kept on the CPU] in `cpu_memory.py`
 
     reported = False
 
