@@ -49,12 +49,15 @@ transient peak, measured in extra steps after the timing, two ways:
   all-reduce, outside torch's allocator);
 - resident bytes (the "resident peak" column; CPU only): the kernel's resident high-water mark
   (VmHWM, reset through /proc/self/clear_refs just before the step) above the resident size before
-  it, with glibc returning freed blocks of 64 KiB and more (`mallopt(M_MMAP_THRESHOLD, 64 KiB)`,
-  `malloc_trim(0)` before the step). It still counts freed memory glibc keeps inside its heaps
+  it, with glibc returning freed blocks of 64 KiB and more and a free heap top above 128 KiB
+  (`simplefsdp.cpu_memory.return_freed_memory`; `malloc_trim(0)` before the step). It still counts
+  freed memory glibc keeps inside its heaps
   (see [Note: resident is not allocated] in `simplefsdp/calibrate/high_water.py`): 35-52 MiB stayed
   resident after a simplefsdp step freed every tensor, so it moves with the allocation history of
   the rows measured before, and is shown, not held to a target.
-The timing runs first, under glibc's defaults.
+The timing runs first, every row's ranks keeping the memory they free for their next step, as
+spawned simplefsdp ranks do ([Note: freed memory kept on the CPU] in `simplefsdp/cpu_memory.py`;
+under glibc's defaults, the compiled rows' steps fault thousands of pages back in every step).
 """
 
 from __future__ import annotations
