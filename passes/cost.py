@@ -111,8 +111,11 @@ __all__ = [
 
 
 COLLECTIVE_KINDS = ("all_gather", "reduce_scatter", "all_reduce")
-_COPY_OP_TARGETS = {ALL_GATHER_COPY_IN: "all_gather_copy_in", ALL_GATHER_COPY_OUT: "all_gather_copy_out"}
-_COPY_OP_TARGETS[REDUCE_SCATTER_COPY_IN] = "reduce_scatter_copy_in"
+_COPY_OP_TARGETS = {
+    ALL_GATHER_COPY_IN: "all_gather_copy_in",
+    ALL_GATHER_COPY_OUT: "all_gather_copy_out",
+    REDUCE_SCATTER_COPY_IN: "reduce_scatter_copy_in",
+}
 COPY_OPS = tuple(_COPY_OP_TARGETS.values())  # the bucket copy ops a profile may time the calls of
 # bytes read + written per fp32 sharded element by one optimizer step: SGD reads the grad and
 # reads / writes the param and its momentum; AdamW reads / writes two moments
@@ -238,43 +241,33 @@ def profile(name: str | Path) -> DeviceProfile:
     raise ValueError(f"unknown device profile {name!r}; known: {sorted(PROFILES)}, or a profile .json file")
 
 
+# The profile's `(name, first, second)` fields and, per field, the JSON keys of `first` and `second`.
+_NESTED = {
+    "collectives": ("latency_s", "bus_bytes_per_s"),
+    "optimizers": ("tensor_s", "element_s"),
+    "launch": ("seconds", "seconds_per_byte"),
+    "copy_ops": ("seconds", "seconds_per_tensor"),
+}
+
+
 def load_profile(path: str | Path) -> DeviceProfile:
     """A profile from its JSON file; an error names the file and what is missing or wrong."""
     path = Path(path)
     try:
         data = json.loads(path.read_text())
-        nested = {"collectives", "optimizers", "staging", "launch", "copy_ops"}
+        nested = {*_NESTED, "staging"}
         fields = {f.name for f in dataclasses.fields(DeviceProfile)} - nested
         optional = {"overlap", "wake_s", "wake_tau_s", "drift", "capacity_bytes"}
         missing = sorted(f for f in fields - optional if f not in data)
         if missing:
             raise ValueError(f"missing keys {missing}")
-        collectives = tuple(
-            (kind, float(fit["latency_s"]), float(fit["bus_bytes_per_s"]))
-            for kind, fit in sorted(data.get("collectives", {}).items())
-        )
-        optimizers = tuple(
-            (name, float(fit["tensor_s"]), float(fit["element_s"]))
-            for name, fit in sorted(data.get("optimizers", {}).items())
-        )
+        triples = {
+            field: tuple((name, float(fit[a]), float(fit[b])) for name, fit in sorted(data.get(field, {}).items()))
+            for field, (a, b) in _NESTED.items()
+        }
         staging = tuple((kind, float(factor)) for kind, factor in sorted(data.get("staging", {}).items()))
-        launch = tuple(
-            (kind, float(fit["seconds"]), float(fit["seconds_per_byte"]))
-            for kind, fit in sorted(data.get("launch", {}).items())
-        )
-        copy_ops = tuple(
-            (op, float(fit["seconds"]), float(fit["seconds_per_tensor"]))
-            for op, fit in sorted(data.get("copy_ops", {}).items())
-        )
         numbers = {f: (data[f] if f == "name" else float(data[f])) for f in fields if data.get(f) is not None}
-        return DeviceProfile(
-            **numbers,
-            collectives=collectives,
-            optimizers=optimizers,
-            staging=staging,
-            launch=launch,
-            copy_ops=copy_ops,
-        )
+        return DeviceProfile(**numbers, **triples, staging=staging)
     except FileNotFoundError:
         raise ValueError(
             f"device profile file {str(path)!r} does not exist (write one with `simplefsdp calibrate`)"
@@ -286,11 +279,9 @@ def load_profile(path: str | Path) -> DeviceProfile:
 def save_profile(device: DeviceProfile, path: str | Path, *, extra: dict | None = None) -> None:
     """Write `device` as JSON (`extra`, e.g. the measurements it was fitted from, goes along unread)."""
     data = dataclasses.asdict(device)
-    data["collectives"] = {kind: {"latency_s": a, "bus_bytes_per_s": b} for kind, a, b in device.collectives}
-    data["optimizers"] = {name: {"tensor_s": t, "element_s": e} for name, t, e in device.optimizers}
+    for field, (a, b) in _NESTED.items():
+        data[field] = {name: {a: first, b: second} for name, first, second in getattr(device, field)}
     data["staging"] = dict(device.staging)
-    data["launch"] = {kind: {"seconds": a, "seconds_per_byte": b} for kind, a, b in device.launch}
-    data["copy_ops"] = {op: {"seconds": a, "seconds_per_tensor": b} for op, a, b in device.copy_ops}
     Path(path).write_text(json.dumps({**data, **(extra or {})}, indent=1) + "\n")
 
 

@@ -248,24 +248,30 @@ def _issue(kind: str, full_bytes: int, device: torch.device) -> Callable[[], tor
     return lambda: c10d_functional.all_reduce(full, "sum", group)
 
 
+def _until_return_s(
+    call: Callable[[], object], device: torch.device, repeats: int, *, finish: Callable[[object], object] = id
+) -> float:
+    """The median seconds until `call` returns to the caller (each behind a barrier; what it left
+    running, `finish(result)`, outside the timing), after one warm-up."""
+    finish(call())
+    samples = []
+    for _ in range(repeats):
+        dist.barrier()
+        _sync(device)
+        start = time.perf_counter()
+        out = call()
+        samples.append(time.perf_counter() - start)
+        finish(out)
+    return statistics.median(samples)
+
+
 def _launches(device: torch.device, plan: _Plan) -> dict[str, list[tuple[int, float]]]:
     """Per kind and size of `plan`: seconds until the collective returns to the caller (its wait
     outside the timing), agreed over the ranks."""
     result = {}
     for kind in COLLECTIVE_KINDS:
-        times = []
-        for size in plan.sizes:
-            issue = _issue(kind, size, device)
-            c10d_functional.wait_tensor(issue())  # warm-up
-            samples = []
-            for _ in range(plan.repeats):
-                dist.barrier()
-                _sync(device)
-                start = time.perf_counter()
-                out = issue()
-                samples.append(time.perf_counter() - start)
-                c10d_functional.wait_tensor(out)
-            times.append(statistics.median(samples))
+        wait = c10d_functional.wait_tensor
+        times = [_until_return_s(_issue(kind, size, device), device, plan.repeats, finish=wait) for size in plan.sizes]
         result[kind] = list(zip(plan.sizes, _agree(times, device), strict=True))
     return result
 
@@ -276,7 +282,7 @@ _COPY_CALL_NUMEL = 8  # elements per member: the call's own cost, not its bytes
 
 def _copy_calls(device: torch.device, plan: _Plan) -> dict[str, list[tuple[int, float]]]:
     """Per bucket copy op and member count: seconds until a call on tiny members returns (for a
-    GPU kernel: its launch, not its run), agreed over the ranks. Runs on this rank alone."""
+    GPU kernel: its launch, not its run), agreed over the ranks."""
     world, rank, n = dist.get_world_size(), dist.get_rank(), _COPY_CALL_NUMEL
     calls = {}
     for members in _COPY_CALL_MEMBERS:
@@ -289,19 +295,8 @@ def _copy_calls(device: torch.device, plan: _Plan) -> dict[str, list[tuple[int, 
             "all_gather_copy_out": functools.partial(ALL_GATHER_COPY_OUT, gathered, chunks, sizes, ndims, world),
             "reduce_scatter_copy_in": functools.partial(REDUCE_SCATTER_COPY_IN, grads, world, torch.float32, 1.0),
         }
-    ops = list(calls[_COPY_CALL_MEMBERS[0]])
-    times = []
-    for op in ops:
-        for members in _COPY_CALL_MEMBERS:
-            call = calls[members][op]
-            call()  # warm-up (the first call of a device type picks the kernel)
-            samples = []
-            for _ in range(max(plan.repeats, 9)):
-                _sync(device)
-                start = time.perf_counter()
-                call()
-                samples.append(time.perf_counter() - start)
-            times.append(statistics.median(samples))
+    ops = list(calls[_COPY_CALL_MEMBERS[0]])  # the warm-up call also picks the device's kernel
+    times = [_until_return_s(calls[m][op], device, max(plan.repeats, 9)) for op in ops for m in _COPY_CALL_MEMBERS]
     agreed = iter(_agree(times, device))
     return {op: [(members, next(agreed)) for members in _COPY_CALL_MEMBERS] for op in ops}
 
