@@ -9,13 +9,21 @@ module level) and its arguments and results picklable. An exception on any rank 
 the test with that rank's traceback; a rank that hangs or dies fails the test after `timeout_s`
 (default 150 s, inside the suite's 180 s per test) instead of hanging the suite, and the pool is
 restarted for the next test -- also when the test's own timeout interrupts the wait.
+
+A rank that dies hard (a segfault, a kill) cannot send its traceback: each rank writes Python's
+fault handler output to a log in the pool's own directory, and a failure that names a rank with no
+answer also gives that rank's exit code and the end of its log. The directory (the process group's
+file store included) is removed when the pool closes.
 """
 
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import os
 import queue
+import shutil
+import signal
 import tempfile
 import time
 import traceback
@@ -35,7 +43,16 @@ _COLLECTIVE_TIMEOUT = timedelta(seconds=300)
 _FAILURE_GRACE_S = 20.0
 
 
-def _worker(rank: int, world_size: int, init_file: str, tasks: mp.Queue, results: mp.Queue) -> None:
+def _fault_log(directory: str, rank: int) -> str:
+    return os.path.join(directory, f"rank{rank}.faults")
+
+
+def _worker(rank: int, world_size: int, directory: str, tasks: mp.Queue, results: mp.Queue) -> None:
+    fault_log = open(_fault_log(directory, rank), "w")  # noqa: SIM115 -- open for the process's lifetime
+    faulthandler.enable(file=fault_log, all_threads=True)
+    if hasattr(signal, "SIGUSR1"):
+        faulthandler.register(signal.SIGUSR1, file=fault_log, all_threads=True)
+    init_file = os.path.join(directory, "store")  # the file store creates it
     torch.set_num_threads(1)
     dist.init_process_group(
         "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size, timeout=_COLLECTIVE_TIMEOUT
@@ -58,9 +75,7 @@ class RankPool:
 
     def _start(self) -> None:
         ctx = mp.get_context("spawn")
-        fd, init_file = tempfile.mkstemp(prefix="simplefsdp-pg-")
-        os.close(fd)
-        os.unlink(init_file)  # the file store creates it; a stale one would be reused
+        self._dir = tempfile.mkdtemp(prefix="simplefsdp-pg-")  # a fresh file store for each start
         self._tasks = [ctx.Queue() for _ in range(self.world_size)]
         self._results = ctx.Queue()
         saved = {k: os.environ.get(k) for k in _WORKER_ENV}
@@ -69,7 +84,7 @@ class RankPool:
             self._procs = [
                 ctx.Process(
                     target=_worker,
-                    args=(rank, self.world_size, init_file, self._tasks[rank], self._results),
+                    args=(rank, self.world_size, self._dir, self._tasks[rank], self._results),
                     daemon=True,
                 )
                 for rank in range(self.world_size)
@@ -98,10 +113,10 @@ class RankPool:
             except queue.Empty:
                 if failed:
                     break
-                dead = {i: p.exitcode for i, p in enumerate(self._procs) if not p.is_alive()}
+                missing = sorted(set(range(self.world_size)) - set(outcomes))
                 raise TimeoutError(
-                    f"{fn.__name__} did not finish on ranks {sorted(set(range(self.world_size)) - set(outcomes))} "
-                    f"within {self.timeout_s:.0f}s (exited ranks and codes: {dead})"
+                    f"{fn.__name__} did not finish on ranks {missing} within {self.timeout_s:.0f}s"
+                    f"{self._silent_ranks(missing)}"
                 ) from None
             outcomes[rank] = (ok, value)
         return outcomes
@@ -120,13 +135,34 @@ class RankPool:
             raise
         failures = {rank: value for rank, (ok, value) in outcomes.items() if not ok}
         if failures:
-            self.close()  # a failed collective can leave the group unusable: start afresh next time
             details = "\n".join(f"--- rank {rank} ---\n{tb}" for rank, tb in sorted(failures.items()))
             stuck = sorted(set(range(self.world_size)) - set(outcomes))
+            silent = self._silent_ranks(stuck)
+            self.close()  # a failed collective can leave the group unusable: start afresh next time
             raise AssertionError(
-                f"{fn.__name__} failed on ranks {sorted(failures)} (no answer from {stuck}):\n{details}"
+                f"{fn.__name__} failed on ranks {sorted(failures)} (no answer from {stuck}):\n{details}{silent}"
             )
         return [outcomes[rank][1] for rank in range(self.world_size)]
+
+    def _silent_ranks(self, ranks: list[int]) -> str:
+        """What is known of ranks that gave no answer: alive or their exit code (negative: the
+        signal), and the end of their fault log (a hard crash's Python stacks)."""
+        alive = [self._procs[rank] for rank in ranks if self._procs[rank].is_alive()]
+        if alive and hasattr(signal, "SIGUSR1"):
+            for proc in alive:  # a live rank's stacks, through the handler its worker registered
+                os.kill(proc.pid, signal.SIGUSR1)
+            time.sleep(1.0)
+        lines = []
+        for rank in ranks:
+            proc = self._procs[rank]
+            state = "still running" if proc.is_alive() else f"exited with code {proc.exitcode}"
+            try:
+                with open(_fault_log(self._dir, rank)) as log:
+                    tail = log.read()[-4000:].strip()
+            except OSError:
+                tail = ""
+            lines.append(f"--- rank {rank}: {state} ---" + (f"\n{tail}" if tail else ", fault log empty"))
+        return "".join(f"\n{line}" for line in lines)
 
     def close(self, *, kill: bool = False) -> None:
         """Ask every rank to leave (they destroy the group together), then reap; kill any that hang
@@ -139,4 +175,6 @@ class RankPool:
             if proc.is_alive():
                 proc.kill()
                 proc.join()
+        if self._procs:
+            shutil.rmtree(self._dir, ignore_errors=True)
         self._procs = []
