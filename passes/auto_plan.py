@@ -19,9 +19,10 @@ collectives; a loose one lets the cheaper schedule take few large buckets. The r
 follows gets the chosen depth, and checks the peak itself (`reorder.py`, [Note: the memory budget]).
 
 [Note: what a bucket costs whatever overlaps it]
-Issuing a collective holds the calling thread (`cost.launch_seconds`), and a bucket of two or more
-members adds its copy ops' calls (`cost.copy_call_seconds`: copy-in and copy-out for a gather,
-copy-in for a reduction); no overlap hides either. Where the profile measured them, the plan charges
+Issuing a collective holds the calling thread (`cost.launch_seconds`), each collective costs a
+compiled step what calibration measured beyond that (`cost.step_collective_seconds`), and a bucket
+of two or more members adds its copy ops' calls (`cost.copy_call_seconds`: copy-in and copy-out for
+a gather, copy-in for a reduction); no overlap hides any of these. Where the profile measured them, the plan charges
 them per bucket (`bucket_fixed_seconds`), so many small buckets pay for their count, as they do in
 the dry run's schedule; a named profile measures neither, and the plan is then the same as without.
 
@@ -48,6 +49,7 @@ def bucket_fixed_seconds(device: cost.DeviceProfile, *, key: MergeKey, nbytes: i
     the step whatever runs beside it ([Note: what a bucket costs whatever overlaps it])."""
     gather = key.kind == "all_gather"
     seconds = cost.launch_seconds(device, kind=key.kind, nbytes=nbytes * key.group_size if gather else nbytes)
+    seconds += cost.step_collective_seconds(device)
     if members < 2:  # a lone collective keeps its own cast / pad nodes: no copy op
         return seconds
     ops = ("all_gather_copy_in", "all_gather_copy_out") if gather else ("reduce_scatter_copy_in",)

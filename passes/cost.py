@@ -34,14 +34,14 @@ rank plans; they do not predict wall time to the microsecond.
   collective's time hidden by compute), enough to rank bucket plans there; `simplefsdp calibrate`
   measures the machine at hand and writes a profile file, which every place that takes a profile
   name also takes (`profile(path)`);
-- the named profiles charge no wake-up latency, no launch time, no copy-op call overhead, a
-  memory-bound optimizer step (no
-  per-tensor overhead) and no staging memory for collectives (NCCL's buffers live outside PyTorch's allocator):
-  only a calibrated profile measures those (see [Note: what a training step adds]).
+- the named profiles charge no wake-up latency, no launch time, no copy-op call overhead, no
+  per-collective step cost, a memory-bound optimizer step (no per-tensor overhead) and no staging
+  memory for collectives (NCCL's buffers live outside PyTorch's allocator): only a calibrated
+  profile measures those (see [Note: what a training step adds]).
 
 [Note: what a training step adds]
 What a training step pays that a collective timed back to back, or a roofline, does not show. All
-five are measured by `simplefsdp calibrate`; the named profiles leave them at zero / memory bound.
+six are measured by `simplefsdp calibrate`; the named profiles leave them at zero / memory bound.
 - Wake-up and drift: a collective launched after its process group sat idle while compute ran
   costs more than one launched right after another (on a 2-core host over gloo: 0.5 ms back to
   back, 1.5 ms after 0.7 ms of matmuls, 2.5 ms after 6 ms -- measured): a quick rise (the
@@ -74,6 +74,13 @@ five are measured by `simplefsdp calibrate`; the named profiles leave them at ze
   same way: about one full buffer each, held from launch to wait (measured by
   `simplefsdp calibrate`). `staging` holds, per kind, those bytes per byte of the full buffer; the
   liveness walk adds them while the collective is in flight (`passes/liveness.py`).
+- What is left per collective: a real compiled step still paid more per collective than all of the
+  above charge (on the 2-core host, 0.3-0.4 ms each: 24 ms + 0.41 ms per collective under the
+  measured step times of eight scoreboard rows with 27 to 224 collectives a step). Calibration
+  measures it last, on real compiled steps of a small model with two bucket plans
+  (`simplefsdp/calibrate/step_probe.py`, [Note: what a collective costs a step]);
+  `step_collective_s` holds it, and the schedule charges it to the compute clock before each
+  collective starts, on top whether the collective is hidden or exposed (`step_collective_seconds`).
 """
 
 from __future__ import annotations
@@ -106,6 +113,7 @@ __all__ = [
     "profile",
     "save_profile",
     "seconds_of",
+    "step_collective_seconds",
     "wake_seconds",
 ]
 
@@ -146,6 +154,7 @@ class DeviceProfile:
     staging: tuple[tuple[str, float], ...] = ()  # (kind, bytes staged per byte of the full buffer)
     launch: tuple[tuple[str, float, float], ...] = ()  # (kind, seconds, seconds per full-buffer byte)
     copy_ops: tuple[tuple[str, float, float], ...] = ()  # (op, seconds per call, seconds per member tensor)
+    step_collective_s: float = 0.0  # what else each collective costs a compiled step (measured in one)
 
     def __post_init__(self) -> None:
         rates = {k: getattr(self, k) for k in ("bus_bytes_per_s", "flops_per_s", "memory_bytes_per_s")}
@@ -160,8 +169,11 @@ class DeviceProfile:
             raise ValueError(f"device profile {self.name!r}: collectives must be one each of {COLLECTIVE_KINDS}")
         if self.capacity_bytes is not None and not self.capacity_bytes > 0:
             raise ValueError(f"device profile {self.name!r}: capacity_bytes must be > 0 or None: {self}")
-        if self.wake_s < 0 or not self.wake_tau_s > 0 or self.drift < 0:
-            raise ValueError(f"device profile {self.name!r}: wake_s and drift must be >= 0 and wake_tau_s > 0: {self}")
+        if self.wake_s < 0 or not self.wake_tau_s > 0 or self.drift < 0 or self.step_collective_s < 0:
+            raise ValueError(
+                f"device profile {self.name!r}: wake_s, drift and step_collective_s must be >= 0 and "
+                f"wake_tau_s > 0: {self}"
+            )
         names = [name for name, _, _ in self.optimizers]
         if len(set(names)) != len(names) or set(names) - set(OPTIMIZER_BYTES_PER_ELEMENT):
             raise ValueError(
@@ -257,7 +269,7 @@ def load_profile(path: str | Path) -> DeviceProfile:
         data = json.loads(path.read_text())
         nested = {*_NESTED, "staging"}
         fields = {f.name for f in dataclasses.fields(DeviceProfile)} - nested
-        optional = {"overlap", "wake_s", "wake_tau_s", "drift", "capacity_bytes"}
+        optional = {"overlap", "wake_s", "wake_tau_s", "drift", "capacity_bytes", "step_collective_s"}
         missing = sorted(f for f in fields - optional if f not in data)
         if missing:
             raise ValueError(f"missing keys {missing}")
@@ -305,6 +317,12 @@ def launch_seconds(device: DeviceProfile, *, kind: str, nbytes: int) -> float:
     measured it)."""
     seconds, per_byte = next(((a, b) for k, a, b in device.launch if k == kind), (0.0, 0.0))
     return seconds + per_byte * nbytes
+
+
+def step_collective_seconds(device: DeviceProfile) -> float:
+    """Seconds each collective costs a compiled step beyond its time, launch, copy calls and wake-up
+    ([Note: what a training step adds]; 0 where the profile has not measured it)."""
+    return device.step_collective_s
 
 
 def copy_call_seconds(device: DeviceProfile, *, op: str, tensors: int) -> float:

@@ -24,6 +24,11 @@ points by `fit_launch` (relative error, both terms >= 0; times that do not grow 
 Copy-op calls: per op, `seconds + members * seconds_per_tensor` through the `(member tensors,
 seconds)` points, by the same `fit_launch`.
 
+Step probe ([Note: what a collective costs a step] in `step_probe.py`): the least-squares slope of
+`measured - predicted` over the collectives a step issues, through the probe's steps (two plans: the
+exact slope), clamped at zero -- what each collective costs a real compiled step beyond what the rest
+of the profile charges. No probe, no charge.
+
 Optimizer: `seconds = tensors * tensor_s + tensors * elements * element_s` through the measured
 shapes (least squares over them; two shapes: the exact solution), each term clamped at zero.
 """
@@ -38,7 +43,15 @@ from simplefsdp.passes.cost import DeviceProfile
 if TYPE_CHECKING:  # timings.py uses the fit to decide when to time again
     from simplefsdp.calibrate.timings import Measurements
 
-__all__ = ["fit_alpha_beta", "fit_launch", "fit_optimizer", "fit_wake", "overlap_share", "profile_from"]
+__all__ = [
+    "fit_alpha_beta",
+    "fit_launch",
+    "fit_optimizer",
+    "fit_step_collective",
+    "fit_wake",
+    "overlap_share",
+    "profile_from",
+]
 
 _TAUS = tuple(1e-4 * 10 ** (i / 16) for i in range(49))  # 0.1 ms .. 100 ms
 
@@ -149,6 +162,17 @@ def fit_optimizer(points: list[tuple[int, int, float]]) -> tuple[float, float]:
     return per_tensor, per_element
 
 
+def fit_step_collective(points: list[tuple[int, float, float]]) -> float:
+    """Seconds per collective through `points` `(collectives, predicted s, measured s)`; see the
+    module docstring (0 with fewer than two distinct collective counts)."""
+    if len({count for count, _, _ in points}) < 2:
+        return 0.0
+    mean_n = sum(n for n, _, _ in points) / len(points)
+    mean_r = sum(m - p for _, p, m in points) / len(points)
+    spread = sum((n - mean_n) ** 2 for n, _, _ in points)
+    return max(0.0, sum((n - mean_n) * (m - p - mean_r) for n, p, m in points) / spread)
+
+
 def profile_from(measured: Measurements, *, name: str) -> DeviceProfile:
     """The profile the measurements fit."""
     world = measured.world_size
@@ -182,4 +206,5 @@ def profile_from(measured: Measurements, *, name: str) -> DeviceProfile:
             for op, points in sorted(measured.copy_calls.items())
         ),
         capacity_bytes=measured.capacity_bytes,
+        step_collective_s=fit_step_collective(measured.step_probe),
     )

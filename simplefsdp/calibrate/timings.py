@@ -31,7 +31,10 @@ returns the same `Measurements` and the fitted profile does not depend on which 
   the CPU the host's physical memory over the ranks on it (`LOCAL_WORLD_SIZE`, else all ranks);
 - optimizer: one step of AdamW and of SGD with momentum over DTensor parameters sharded over the
   group, as `simplefsdp.wrap` leaves them, for many small and for few large shards -> seconds per
-  parameter tensor and per element (`fit.fit_optimizer`).
+  parameter tensor and per element (`fit.fit_optimizer`);
+- step probe, last (it needs the profile the rest fits): a small model's compiled training step,
+  unbucketed and with the default buckets, measured and predicted -> what each collective costs a
+  real step beyond the rest of the profile (`step_probe.py`, `fit.fit_step_collective`).
 """
 
 from __future__ import annotations
@@ -48,8 +51,9 @@ import torch
 import torch.distributed as dist
 
 from simplefsdp._compat import all_gather_single, c10d_functional, reduce_scatter_single
-from simplefsdp.calibrate.fit import fit_alpha_beta
+from simplefsdp.calibrate.fit import fit_alpha_beta, profile_from
 from simplefsdp.calibrate.high_water import high_water_bytes
+from simplefsdp.calibrate.step_probe import probe_steps
 from simplefsdp.kernels.copy_ops import ALL_GATHER_COPY_IN, ALL_GATHER_COPY_OUT, REDUCE_SCATTER_COPY_IN
 from simplefsdp.passes.cost import COLLECTIVE_KINDS
 
@@ -84,6 +88,8 @@ class Measurements:
     copy_calls: dict[str, list[tuple[int, float]]] = dataclasses.field(default_factory=dict)
     # copy op -> [(member tensors, seconds until a call on 8-element members returns)]
     capacity_bytes: float | None = None  # memory one rank may use
+    step_probe: list[tuple[int, float, float]] = dataclasses.field(default_factory=list)
+    # [(collectives per step, predicted seconds without the probe's fit, measured seconds)]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -435,7 +441,7 @@ def measure(*, device: torch.device, quick: bool = False) -> Measurements:
     matmul_s, copy_s, compute_s, comm_s, both_s = agreed[:5]
     wake_values = iter(agreed[len(flat) : len(flat) + 2 * len(wake)])
     step_times = iter(agreed[len(flat) + 2 * len(wake) :])
-    return Measurements(
+    measured = Measurements(
         world_size=dist.get_world_size(),
         backend=str(dist.get_backend()),
         device=device.type if device.type == "cpu" else torch.cuda.get_device_name(device),
@@ -455,3 +461,5 @@ def measure(*, device: torch.device, quick: bool = False) -> Measurements:
         copy_calls=copy_calls,
         capacity_bytes=_capacity(device),
     )
+    probe = probe_steps(profile=profile_from(measured, name="without the step probe"), device=device, quick=quick)
+    return dataclasses.replace(measured, step_probe=probe)

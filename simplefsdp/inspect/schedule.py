@@ -9,8 +9,9 @@ per process group. `simulate` replays a post-pass graph in node order with
   is free, and lasts its alpha-beta seconds, plus the profile's wake-up for the time the stream sat
   idle before it (the first collective of a graph: saturated) and its drift for the compute since
   the stream's previous collective; the launch itself also holds the compute clock for the
-  profile's launch seconds, the calling thread's time to issue it (see [Note: what a training step
-  adds] in `passes/cost.py`);
+  profile's launch seconds, the calling thread's time to issue it; and before it starts, the compute
+  clock pays what else a collective costs a compiled step (`step_collective_s`), exposed or not
+  (see [Note: what a training step adds] in `passes/cost.py`);
 - a wait stalls the compute clock until its collective has finished; that stall is the
   collective's *exposed* time;
 - where communication does not fully run in parallel with compute (a profile's `overlap` below 1:
@@ -166,6 +167,7 @@ def simulate(
     for node in graph.nodes:
         collective = parse_collective(node)
         if collective is not None:
+            clock += cost.step_collective_seconds(device)  # before it starts: on top, hidden or exposed
             lane = collective.group_name
             free = stream_free.get(lane, -math.inf)
             begin = max(clock, free)

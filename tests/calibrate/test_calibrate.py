@@ -14,6 +14,7 @@ from simplefsdp.calibrate.fit import (
     fit_alpha_beta,
     fit_launch,
     fit_optimizer,
+    fit_step_collective,
     fit_wake,
     overlap_share,
     profile_from,
@@ -87,6 +88,24 @@ def test_quick_calibration_on_two_ranks_round_trips(tmp_path):
     assert [m for m, _ in data["measured"]["copy_calls"]["all_gather_copy_out"]] == [1, 4, 16]
     big = cost.collective_seconds(profile, kind="reduce_scatter", nbytes=2**24, world=2)
     assert big > cost.collective_seconds(profile, kind="reduce_scatter", nbytes=2**12, world=2)
+    probe = data["measured"]["step_probe"]  # [Note: what a collective costs a step]
+    assert len(probe) == 2, probe
+    assert probe[0][0] > probe[1][0], "unbucketed, the probe issues more collectives than with the default plan"
+    assert all(predicted > 0 and measured > 0 for _, predicted, measured in probe), probe
+    assert profile.step_collective_s == fit_step_collective([tuple(point) for point in probe])
+
+
+def test_fit_step_collective_takes_the_slope_of_the_error_over_the_collectives():
+    """[Note: what a collective costs a step]: the error that grows with the collective count is
+    charged per collective; the part that does not (the model's own overhead) is not."""
+    per_collective, outside = 4e-4, 0.02
+    points = [(n, 0.1 + n * 1e-4, 0.1 + n * 1e-4 + outside + n * per_collective) for n in (224, 27)]
+    assert fit_step_collective(points) == pytest.approx(per_collective, rel=1e-9)
+    noisy = [*points, (100, 0.12, 0.12 + outside + 100 * per_collective + 1e-3)]
+    assert fit_step_collective(noisy) == pytest.approx(per_collective, rel=0.05), "least squares over three"
+    assert fit_step_collective([(224, 0.3, 0.25), (27, 0.1, 0.12)]) == 0.0, "over-predicted more with more: none"
+    assert fit_step_collective([(27, 0.1, 0.12)]) == 0.0, "one plan: no slope"
+    assert fit_step_collective([]) == 0.0, "not probed: no charge"
 
 
 def test_fit_wake_recovers_a_saturating_curve_with_drift_and_clamps_noise():

@@ -96,3 +96,14 @@ def test_a_launch_holds_the_compute_clock_and_only_once_when_exposed():
     assert simulate(_graph("launch", "mm", "wait"), device=other_kind, phase="forward").end_s == pytest.approx(
         compute, rel=1e-9
     ), "charged per kind"
+
+
+def test_what_else_a_collective_costs_a_step_is_charged_on_top_hidden_or_exposed():
+    """[Note: what a training step adds], what is left per collective: `step_collective_s` is paid
+    once per collective on the compute clock, whether compute hides the collective or not."""
+    base = dataclasses.replace(cost.profile("cpu-gloo"), overlap=1.0)
+    device = dataclasses.replace(base, step_collective_s=3e-4)
+    for order in (("launch", "mm", "wait"), ("launch", "wait"), ("launch", "wait", "mm", "launch", "wait")):
+        plain = simulate(_graph(*order), device=base, phase="forward")
+        charged = simulate(_graph(*order), device=device, phase="forward")
+        assert charged.end_s == pytest.approx(plain.end_s + order.count("launch") * 3e-4, rel=1e-9), order

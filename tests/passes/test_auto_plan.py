@@ -125,3 +125,8 @@ def test_a_bucket_costs_its_launch_and_its_copy_calls_where_measured():
     assert bucket_fixed_seconds(measured, key=gather, nbytes=1000, members=1) == pytest.approx(1e-4 + 1e-9 * 2000)
     assert bucket_fixed_seconds(measured, key=scatter, nbytes=1000, members=3) == pytest.approx(2e-4 + 1e-5 + 3e-6)
     assert bucket_fixed_seconds(cost.profile("cpu-gloo"), key=gather, nbytes=1000, members=4) == 0.0, "named: none"
+    stepped = dataclasses.replace(measured, step_collective_s=4e-4)  # [Note: what a collective costs a step]
+    assert bucket_fixed_seconds(stepped, key=scatter, nbytes=1000, members=3) == pytest.approx(
+        4e-4 + 2e-4 + 1e-5 + 3e-6
+    )
+    assert bucket_fixed_seconds(stepped, key=gather, nbytes=1000, members=1) == pytest.approx(4e-4 + 1e-4 + 2e-6)

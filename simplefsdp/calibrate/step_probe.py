@@ -1,0 +1,107 @@
+"""Calibration's last timing: real compiled training steps, against what the profile predicts for them.
+
+[Note: what a collective costs a step]
+The other timings take each cost apart: a collective alone, its launch, its copy ops' calls, its
+wake-up after compute, compute beside it. A compiled training step pays something on top for each
+collective that none of them sees alone. Measured on the 2-core development host (2 gloo ranks),
+the scoreboard's eight simplefsdp rows ran 24 ms + 0.41 ms per collective longer than the profile
+predicted (27 to 224 collectives a step, least squares); `bench/inspect_validate.py`'s model, half
+as deep, 0.34 ms per collective. So calibration ends by measuring it in situ: one small
+Llama-style model (`PROBE`, not the benchmarks' models), wrapped FULL_SHARD and compiled twice --
+once with nothing bucketed (one collective per parameter use) and once with the default per-block
+buckets -- each timed for whole steps (forward, loss, backward, AdamW step) and predicted by the
+schedule replay of `simplefsdp.inspect.schedule` on the graphs it compiled, with the profile fitted
+from every other timing. The part of the error that grows with the collective count is the
+profile's `step_collective_s` (`fit.fit_step_collective`); the part that does not (time outside the
+compiled graphs, which grows with the model, not with the plan) is left out: a plan cannot change
+it, and a different model would not share it.
+
+Invariant: every rank returns the same points (the measured times are the largest over the ranks;
+the predictions are a pure function of the graphs and the profile, the same on every rank).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import simplefsdp
+from simplefsdp.inspect.record import StepGraphs, recording
+from simplefsdp.inspect.schedule import simulate_step
+from simplefsdp.models import Transformer, TransformerArgs
+from simplefsdp.passes.collectives import is_collective
+from simplefsdp.passes.cost import DeviceProfile
+from simplefsdp.passes.install import pass_of
+
+__all__ = ["PROBE", "PROBE_QUICK", "probe_steps"]
+
+PROBE = TransformerArgs(vocab_size=512, dim=128, n_layers=4, n_heads=4, ffn_dim=344, max_seq_len=64)
+PROBE_QUICK = TransformerArgs(vocab_size=67, dim=32, n_layers=2, n_heads=4, ffn_dim=88, max_seq_len=16)
+_BATCH = 2
+# the two plans: no buckets at all (the pass still runs, so its graphs are recorded) and the default
+_PLANS = (
+    simplefsdp.PassConfig(bucket=simplefsdp.BucketConfig(bucket_all_gathers=False, bucket_reductions=False)),
+    simplefsdp.PassConfig(),
+)
+
+
+def _collectives(graphs: StepGraphs) -> int:
+    return sum(is_collective(node) for graph in graphs.post for node in graph.nodes)
+
+
+def _one_plan(
+    passes: simplefsdp.PassConfig, args: TransformerArgs, profile: DeviceProfile, device: torch.device, repeats: int
+) -> tuple[int, float, float]:
+    torch.manual_seed(0)
+    with device:
+        # a class per plan: Dynamo would otherwise reuse the first plan's compiled forward for the second
+        model = type(f"Probe{id(passes)}", (Transformer,), {})(args)
+    simplefsdp.wrap(model, passes=passes)
+    compiled = torch.compile(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    generator = torch.Generator().manual_seed(1 + dist.get_rank())
+    tokens = torch.randint(0, args.vocab_size, (_BATCH, args.max_seq_len + 1), generator=generator).to(device)
+
+    def step() -> None:
+        logits = compiled(tokens[:, :-1])
+        F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    with recording(pass_of(model)) as graphs:
+        step()  # compiles the forward and the backward
+    if len(graphs.post) != 2:
+        raise RuntimeError(f"the probe's step compiled {len(graphs.post)} graphs, expected a forward and a backward")
+    predicted = simulate_step(graphs.post[0], graphs.post[1], device=profile, model=model).step_s
+    return _collectives(graphs), predicted, _median_step_s(step, repeats)
+
+
+def _median_step_s(step: Callable[[], None], repeats: int) -> float:
+    for _ in range(2):
+        step()  # warm-up: allocations, the optimizer's state
+    times = []
+    for _ in range(repeats):
+        dist.barrier()
+        start = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def probe_steps(*, profile: DeviceProfile, device: torch.device, quick: bool = False) -> list[tuple[int, float, float]]:
+    """(collectives per step, predicted step seconds under `profile`, measured median step seconds)
+    for each plan of [Note: what a collective costs a step]. Collective: call on every rank."""
+    args, repeats = (PROBE_QUICK, 3) if quick else (PROBE, 9)
+    points = [_one_plan(passes, args, profile, device, repeats) for passes in _PLANS]
+    measured = torch.tensor([seconds for _, _, seconds in points], dtype=torch.float64, device=device)
+    dist.all_reduce(measured, op=dist.ReduceOp.MAX)
+    return [
+        (count, predicted, seconds) for (count, predicted, _), seconds in zip(points, measured.tolist(), strict=True)
+    ]
