@@ -125,6 +125,9 @@ CONFIGS = {  # key (for --rows and the JSON) -> setup
     "torch-passes": Config("simplefsdp compiled, torch's passes", "simplefsdp", passes="torch"),
     "fsdp2-zero2": Config("FSDP2 eager, SHARD_GRAD_OP", "fsdp2", strategy="SHARD_GRAD_OP", compiled=False),
     "ours-zero2": Config("simplefsdp SHARD_GRAD_OP, our passes", "simplefsdp", strategy="SHARD_GRAD_OP"),
+    "ours-zero2-auto": Config(
+        "simplefsdp SHARD_GRAD_OP, our passes (auto plan)", "simplefsdp", strategy="SHARD_GRAD_OP", passes="auto"
+    ),
     "torch-passes-zero2": Config(
         "simplefsdp SHARD_GRAD_OP, torch's passes", "simplefsdp", strategy="SHARD_GRAD_OP", passes="torch"
     ),
