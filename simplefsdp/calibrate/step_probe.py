@@ -8,7 +8,7 @@ the scoreboard's eight simplefsdp rows ran 24 ms + 0.41 ms per collective longer
 predicted (27 to 224 collectives a step, least squares); `bench/inspect_validate.py`'s model, half
 as deep, 0.34 ms per collective. So calibration ends by measuring it in situ: one small
 Llama-style model (`PROBE`, not the benchmarks' models), wrapped FULL_SHARD and compiled twice --
-once with nothing bucketed (one collective per parameter use) and once with the default per-block
+once without passes (one collective per parameter use) and once with the default per-block
 buckets -- each timed for whole steps (forward, loss, backward, AdamW step) and predicted by the
 schedule replay of `simplefsdp.inspect.schedule` on the graphs it compiled, with the profile fitted
 from every other timing. The part of the error that grows with the collective count is the
@@ -43,11 +43,10 @@ __all__ = ["PROBE", "PROBE_QUICK", "probe_steps"]
 PROBE = TransformerArgs(vocab_size=512, dim=128, n_layers=4, n_heads=4, ffn_dim=344, max_seq_len=64)
 PROBE_QUICK = TransformerArgs(vocab_size=67, dim=32, n_layers=2, n_heads=4, ffn_dim=88, max_seq_len=16)
 _BATCH = 2
-# the two plans: no buckets at all (the pass still runs, so its graphs are recorded) and the default
-_PLANS = (
-    simplefsdp.PassConfig(bucket=simplefsdp.BucketConfig(bucket_all_gathers=False, bucket_reductions=False)),
-    simplefsdp.PassConfig(),
-)
+# the two plans: no passes (one collective per parameter use, each waited where traced) and the
+# default buckets. Not "the pass with bucketing off": that reorders a hundred small collectives to
+# overlap, and on 2 gloo ranks one such probe of five hung in a reduce-scatter's wait
+_PLANS = (None, simplefsdp.PassConfig())
 
 
 def _collectives(graphs: StepGraphs) -> int:
@@ -55,7 +54,11 @@ def _collectives(graphs: StepGraphs) -> int:
 
 
 def _one_plan(
-    passes: simplefsdp.PassConfig, args: TransformerArgs, profile: DeviceProfile, device: torch.device, repeats: int
+    passes: simplefsdp.PassConfig | None,
+    args: TransformerArgs,
+    profile: DeviceProfile,
+    device: torch.device,
+    repeats: int,
 ) -> tuple[int, float, float]:
     torch.manual_seed(0)
     with device:
