@@ -165,11 +165,18 @@ def plot(rows: dict[str, dict], path: Path, *, title: str, frontier_prefix: str)
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(10, 6.5))
+    points = {key: (row["peak_memory_bytes"] / 2**20, row["step_time_s"] * 1e3) for key, row in rows.items()}
+    xs, ys = [x for x, _ in points.values()], [y for _, y in points.values()]
+    span_x, span_y = (max(xs) - min(xs)) or 1.0, (max(ys) - min(ys)) or 1.0
+    labelled: list[tuple[float, float]] = []
     for key, row in rows.items():
         marker = "s" if row.get("strategy") == "SHARD_GRAD_OP" else "o"
-        x, y = row["peak_memory_bytes"] / 2**20, row["step_time_s"] * 1e3
+        x, y = points[key]
         ax.scatter([x], [y], marker=marker, color="tab:red" if key == "ours" else "tab:blue")
-        ax.annotate(row["label"], (x, y), fontsize=7, xytext=(4, 3), textcoords="offset points")
+        # a label whose text would run into one already placed next to it goes under its point
+        crowded = any(abs(x - px) < 0.25 * span_x and abs(y - py) < 0.03 * span_y for px, py in labelled)
+        ax.annotate(row["label"], (x, y), fontsize=7, xytext=(4, -10 if crowded else 3), textcoords="offset points")
+        labelled.append((x, y))
     frontier = sorted(
         (r for k, r in rows.items() if k.startswith(frontier_prefix) or k == "ours-auto"),
         key=lambda r: r["peak_memory_bytes"],
