@@ -22,9 +22,10 @@ follows gets the chosen depth, and checks the peak itself (`reorder.py`, [Note: 
 Issuing a collective holds the calling thread (`cost.launch_seconds`), each collective costs a
 compiled step what calibration measured beyond that (`cost.step_collective_seconds`), and a bucket
 of two or more members adds its copy ops' calls (`cost.copy_call_seconds`: copy-in and copy-out for
-a gather, copy-in for a reduction); no overlap hides any of these. Where the profile measured them, the plan charges
-them per bucket (`bucket_fixed_seconds`), so many small buckets pay for their count, as they do in
-the dry run's schedule; a named profile measures neither, and the plan is then the same as without.
+a gather, copy-in for a reduction); no overlap hides any of these. Where the profile measured them,
+the plan charges them per bucket (`bucket_fixed_seconds`), so many small buckets pay for their
+count, as they do in the dry run's schedule; a named profile measures none of them, and the plan is
+then the same as without.
 
 Invariant: a pure function of the graph, the profile and the budget -- the same on every rank.
 """

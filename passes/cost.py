@@ -77,7 +77,7 @@ six are measured by `simplefsdp calibrate`; the named profiles leave them at zer
 - What is left per collective: a real compiled step still paid more per collective than all of the
   above charge (on the 2-core host, 0.3-0.4 ms each: 24 ms + 0.41 ms per collective under the
   measured step times of eight scoreboard rows with 27 to 224 collectives a step). Calibration
-  measures it last, on real compiled steps of a small model with two bucket plans
+  measures it last, on real compiled steps of a small model without and with the passes
   (`simplefsdp/calibrate/step_probe.py`, [Note: what a collective costs a step]);
   `step_collective_s` holds it, and the schedule charges it to the compute clock before each
   collective starts, on top whether the collective is hidden or exposed (`step_collective_seconds`).

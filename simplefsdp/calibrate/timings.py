@@ -33,7 +33,7 @@ returns the same `Measurements` and the fitted profile does not depend on which 
   group, as `simplefsdp.wrap` leaves them, for many small and for few large shards -> seconds per
   parameter tensor and per element (`fit.fit_optimizer`);
 - step probe, last (it needs the profile the rest fits): a small model's compiled training step,
-  unbucketed and with the default buckets, measured and predicted -> what each collective costs a
+  without passes and with the default buckets, measured and predicted -> what each collective costs a
   real step beyond the rest of the profile (`step_probe.py`, `fit.fit_step_collective`).
 """
 

@@ -90,7 +90,7 @@ def test_quick_calibration_on_two_ranks_round_trips(tmp_path):
     assert big > cost.collective_seconds(profile, kind="reduce_scatter", nbytes=2**12, world=2)
     probe = data["measured"]["step_probe"]  # [Note: what a collective costs a step]
     assert len(probe) == 2, probe
-    assert probe[0][0] > probe[1][0], "unbucketed, the probe issues more collectives than with the default plan"
+    assert probe[0][0] > probe[1][0], "without passes, the probe issues more collectives than with the default plan"
     assert all(predicted > 0 and measured > 0 for _, predicted, measured in probe), probe
     assert profile.step_collective_s == fit_step_collective([tuple(point) for point in probe])
 
