@@ -16,14 +16,14 @@ profile's `step_collective_s` (`fit.fit_step_collective`); the part that does no
 compiled graphs, which grows with the model, not with the plan) is left out: a plan cannot change
 it, and a different model would not share it.
 
-Invariant: every rank returns the same points (the measured times are the largest over the ranks;
-the predictions are a pure function of the graphs and the profile, the same on every rank).
+Invariant: the predictions are a pure function of the graphs and the profile, the same on every
+rank; `timings.measure` times the steps like every other timing (median, then the largest over the
+ranks), so every rank ends with the same points.
 """
 
 from __future__ import annotations
 
-import statistics
-import time
+import dataclasses
 from collections.abc import Callable
 
 import torch
@@ -38,7 +38,7 @@ from simplefsdp.passes.collectives import is_collective
 from simplefsdp.passes.cost import DeviceProfile
 from simplefsdp.passes.install import pass_of
 
-__all__ = ["PROBE", "PROBE_QUICK", "probe_steps"]
+__all__ = ["PROBE", "PROBE_QUICK", "ProbeStep", "probe_steps"]
 
 PROBE = TransformerArgs(vocab_size=512, dim=128, n_layers=4, n_heads=4, ffn_dim=344, max_seq_len=64)
 PROBE_QUICK = TransformerArgs(vocab_size=67, dim=32, n_layers=2, n_heads=4, ffn_dim=88, max_seq_len=16)
@@ -53,13 +53,19 @@ def _collectives(graphs: StepGraphs) -> int:
     return sum(is_collective(node) for graph in graphs.post for node in graph.nodes)
 
 
+@dataclasses.dataclass(frozen=True)
+class ProbeStep:
+    """One plan of the probe, compiled: its collectives per step, the step the profile predicts,
+    and the training step itself, for `timings.py` to time."""
+
+    collectives: int
+    predicted_s: float
+    step: Callable[[], None]
+
+
 def _one_plan(
-    passes: simplefsdp.PassConfig | None,
-    args: TransformerArgs,
-    profile: DeviceProfile,
-    device: torch.device,
-    repeats: int,
-) -> tuple[int, float, float]:
+    passes: simplefsdp.PassConfig | None, args: TransformerArgs, profile: DeviceProfile, device: torch.device
+) -> ProbeStep:
     torch.manual_seed(0)
     with device:
         # a class per plan: Dynamo would otherwise reuse the first plan's compiled forward for the second
@@ -75,36 +81,17 @@ def _one_plan(
         F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()).backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
 
     with recording(pass_of(model)) as graphs:
         step()  # compiles the forward and the backward
     if len(graphs.post) != 2:
         raise RuntimeError(f"the probe's step compiled {len(graphs.post)} graphs, expected a forward and a backward")
     predicted = simulate_step(graphs.post[0], graphs.post[1], device=profile, model=model).step_s
-    return _collectives(graphs), predicted, _median_step_s(step, repeats)
+    return ProbeStep(collectives=_collectives(graphs), predicted_s=predicted, step=step)
 
 
-def _median_step_s(step: Callable[[], None], repeats: int) -> float:
-    for _ in range(2):
-        step()  # warm-up: allocations, the optimizer's state
-    times = []
-    for _ in range(repeats):
-        dist.barrier()
-        start = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
-def probe_steps(*, profile: DeviceProfile, device: torch.device, quick: bool = False) -> list[tuple[int, float, float]]:
-    """(collectives per step, predicted step seconds under `profile`, measured median step seconds)
-    for each plan of [Note: what a collective costs a step]. Collective: call on every rank."""
-    args, repeats = (PROBE_QUICK, 3) if quick else (PROBE, 9)
-    points = [_one_plan(passes, args, profile, device, repeats) for passes in _PLANS]
-    measured = torch.tensor([seconds for _, _, seconds in points], dtype=torch.float64, device=device)
-    dist.all_reduce(measured, op=dist.ReduceOp.MAX)
-    return [
-        (count, predicted, seconds) for (count, predicted, _), seconds in zip(points, measured.tolist(), strict=True)
-    ]
+def probe_steps(*, profile: DeviceProfile, device: torch.device, quick: bool = False) -> list[ProbeStep]:
+    """Each plan of [Note: what a collective costs a step], compiled on this rank and predicted under
+    `profile` (timed by the caller, `timings.measure`). Collective: call on every rank."""
+    args = PROBE_QUICK if quick else PROBE
+    return [_one_plan(passes, args, profile, device) for passes in _PLANS]

@@ -461,5 +461,7 @@ def measure(*, device: torch.device, quick: bool = False) -> Measurements:
         copy_calls=copy_calls,
         capacity_bytes=_capacity(device),
     )
-    probe = probe_steps(profile=profile_from(measured, name="without the step probe"), device=device, quick=quick)
-    return dataclasses.replace(measured, step_probe=probe)
+    probes = probe_steps(profile=profile_from(measured, name="without the step probe"), device=device, quick=quick)
+    seconds = _agree([_median_s(probe.step, device, plan.repeats) for probe in probes], device)
+    points = [(probe.collectives, probe.predicted_s, s) for probe, s in zip(probes, seconds, strict=True)]
+    return dataclasses.replace(measured, step_probe=points)
