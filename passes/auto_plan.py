@@ -22,7 +22,9 @@ follows gets the chosen depth, and checks the peak itself (`reorder.py`, [Note: 
 Issuing a collective holds the calling thread (`cost.launch_seconds`), each collective costs a
 compiled step what calibration measured beyond that (`cost.step_collective_seconds`), and a bucket
 of two or more members adds its copy ops' calls (`cost.copy_call_seconds`: copy-in and copy-out for
-a gather, copy-in for a reduction); no overlap hides any of these. Where the profile measured them,
+a gather, copy-in for a reduction); no overlap hides any of these. At prefetch depth 0 each gather
+is also waited right after its launch (at depth 1 only the first), which calibration measured a
+price for as well (`cost.step_exposed_wait_seconds`). Where the profile measured them,
 the plan charges them per bucket (`bucket_fixed_seconds`), so many small buckets pay for their
 count, as they do in the dry run's schedule; a named profile measures none of them, and the plan is
 then the same as without.
@@ -80,10 +82,11 @@ def plan_auto(
         full = nbytes * key.group_size if key.kind == "all_gather" else nbytes
         return cost.collective_seconds(device, kind=key.kind, nbytes=full, world=key.group_size)
 
-    def fixed_s(key: MergeKey, nbytes: int, members: int) -> float:
-        return bucket_fixed_seconds(device, key=key, nbytes=nbytes, members=members)
+    def plan(windows_s: list[float], cap: int, *, waited_at_launch: bool = False) -> tuple[list[Bucket], float]:
+        def fixed_s(key: MergeKey, nbytes: int, members: int) -> float:
+            seconds = bucket_fixed_seconds(device, key=key, nbytes=nbytes, members=members)
+            return seconds + (cost.step_exposed_wait_seconds(device) if waited_at_launch else 0.0)
 
-    def plan(windows_s: list[float], cap: int) -> tuple[list[Bucket], float]:
         model = {"windows_s": windows_s, "comm_s": comm_s, "overlap": device.overlap, "fixed_s": fixed_s}
         buckets = plan_by_cost(candidates, cap_bytes=cap, **model)
         return buckets, exposed_seconds(candidates, buckets, **model)
@@ -96,7 +99,9 @@ def plan_auto(
     best = None
     for depth in PREFETCH_DEPTHS:
         cap = cap_bytes if budget_bytes is None else max(1, min(cap_bytes, budget_bytes // (depth + 1) // world))
-        buckets, exposed = plan(windows if depth else [0.0] * len(windows), cap)
+        buckets, exposed = plan(windows if depth else [0.0] * len(windows), cap, waited_at_launch=not depth)
+        if depth and buckets:  # the first gather has nothing to run behind: waited right after its launch
+            exposed += cost.step_exposed_wait_seconds(device)
         if best is None or exposed < best.exposed_s:  # a tie keeps the shallower, cheaper in memory
             best = AutoPlan(buckets=buckets, prefetch_depth=depth, exposed_s=exposed)
     return best

@@ -81,6 +81,12 @@ six are measured by `simplefsdp calibrate`; the named profiles leave them at zer
   (`simplefsdp/calibrate/step_probe.py`, [Note: what a collective costs a step]);
   `step_collective_s` holds it, and the schedule charges it to the compute clock before each
   collective starts, on top whether the collective is hidden or exposed (`step_collective_seconds`).
+- What is left per wait right after a launch: with more ranks than cores, each rank that blocks on
+  a collective it has just issued must wait for every other rank to be scheduled, and that costs
+  milliseconds (4 gloo ranks on the 2 cores: 0.8 ms per such wait, nothing per collective; 2 ranks:
+  0.01 ms per wait, 0.3 ms per collective -- measured by the probe). The probe tells the two apart
+  (the same buckets with and without reordering), `step_exposed_wait_s` holds it, and the schedule
+  adds it to the stall of each wait with no compute since its launch (`step_exposed_wait_seconds`).
 """
 
 from __future__ import annotations
@@ -114,6 +120,7 @@ __all__ = [
     "save_profile",
     "seconds_of",
     "step_collective_seconds",
+    "step_exposed_wait_seconds",
     "wake_seconds",
 ]
 
@@ -155,6 +162,7 @@ class DeviceProfile:
     launch: tuple[tuple[str, float, float], ...] = ()  # (kind, seconds, seconds per full-buffer byte)
     copy_ops: tuple[tuple[str, float, float], ...] = ()  # (op, seconds per call, seconds per member tensor)
     step_collective_s: float = 0.0  # what else each collective costs a compiled step (measured in one)
+    step_exposed_wait_s: float = 0.0  # what else waiting one with no compute since its launch costs (same)
 
     def __post_init__(self) -> None:
         rates = {k: getattr(self, k) for k in ("bus_bytes_per_s", "flops_per_s", "memory_bytes_per_s")}
@@ -169,9 +177,11 @@ class DeviceProfile:
             raise ValueError(f"device profile {self.name!r}: collectives must be one each of {COLLECTIVE_KINDS}")
         if self.capacity_bytes is not None and not self.capacity_bytes > 0:
             raise ValueError(f"device profile {self.name!r}: capacity_bytes must be > 0 or None: {self}")
-        if self.wake_s < 0 or not self.wake_tau_s > 0 or self.drift < 0 or self.step_collective_s < 0:
+        step = (self.step_collective_s, self.step_exposed_wait_s)
+        if self.wake_s < 0 or not self.wake_tau_s > 0 or self.drift < 0 or min(step) < 0:
             raise ValueError(
-                f"device profile {self.name!r}: wake_s, drift and step_collective_s must be >= 0 and "
+                f"device profile {self.name!r}: wake_s, drift, step_collective_s and step_exposed_wait_s "
+                "must be >= 0 and "
                 f"wake_tau_s > 0: {self}"
             )
         names = [name for name, _, _ in self.optimizers]
@@ -269,7 +279,8 @@ def load_profile(path: str | Path) -> DeviceProfile:
         data = json.loads(path.read_text())
         nested = {*_NESTED, "staging"}
         fields = {f.name for f in dataclasses.fields(DeviceProfile)} - nested
-        optional = {"overlap", "wake_s", "wake_tau_s", "drift", "capacity_bytes", "step_collective_s"}
+        optional = {"overlap", "wake_s", "wake_tau_s", "drift", "capacity_bytes"}
+        optional |= {"step_collective_s", "step_exposed_wait_s"}
         missing = sorted(f for f in fields - optional if f not in data)
         if missing:
             raise ValueError(f"missing keys {missing}")
@@ -323,6 +334,12 @@ def step_collective_seconds(device: DeviceProfile) -> float:
     """Seconds each collective costs a compiled step beyond its time, launch, copy calls and wake-up
     ([Note: what a training step adds]; 0 where the profile has not measured it)."""
     return device.step_collective_s
+
+
+def step_exposed_wait_seconds(device: DeviceProfile) -> float:
+    """Seconds a compiled step pays, beyond the stall, to wait a collective with no compute since its
+    launch ([Note: what a training step adds]; 0 where the profile has not measured it)."""
+    return device.step_exposed_wait_s
 
 
 def copy_call_seconds(device: DeviceProfile, *, op: str, tensors: int) -> float:

@@ -100,7 +100,9 @@ def _describe(profile: DeviceProfile) -> str:
         lines.append(line(op, f"{seconds * 1e6:,.0f} us + {per_tensor * 1e6:,.1f} us per member tensor, a call"))
     for name, per_tensor, per_element in profile.optimizers:
         lines.append(line(name, f"{per_tensor * 1e6:,.1f} us per parameter + {per_element * 1e9:.2f} ns per element"))
-    lines.append(line("in a compiled step", f"+{profile.step_collective_s * 1e6:,.0f} us per collective"))
+    step = f"+{profile.step_collective_s * 1e6:,.0f} us per collective"
+    step += f", +{profile.step_exposed_wait_s * 1e6:,.0f} us per wait with no compute since its launch"
+    lines.append(line("in a compiled step", step))
     return "\n".join(lines)
 
 

@@ -24,10 +24,13 @@ points by `fit_launch` (relative error, both terms >= 0; times that do not grow 
 Copy-op calls: per op, `seconds + members * seconds_per_tensor` through the `(member tensors,
 seconds)` points, by the same `fit_launch`.
 
-Step probe ([Note: what a collective costs a step] in `step_probe.py`): the least-squares slope of
-`measured - predicted` over the collectives a step issues, through the probe's steps (two plans: the
-exact slope), clamped at zero -- what each collective costs a real compiled step beyond what the rest
-of the profile charges. No probe, no charge.
+Step probe ([Note: what a collective costs a step] in `step_probe.py`): `measured - predicted =
+outside + a * collectives + b * exposed waits` by least squares through the probe's steps (three
+plans: the exact solution), `a, b >= 0` (a term that would go negative is dropped and the other
+refitted alone) -- what each collective, and each wait with no compute since its launch, costs a
+real compiled step beyond what the rest of the profile charges. Plans that cannot tell the two
+apart (two plans, or the exposed waits a fixed share of the collectives) charge it all per
+collective. No probe, no charge.
 
 Optimizer: `seconds = tensors * tensor_s + tensors * elements * element_s` through the measured
 shapes (least squares over them; two shapes: the exact solution), each term clamped at zero.
@@ -47,7 +50,7 @@ __all__ = [
     "fit_alpha_beta",
     "fit_launch",
     "fit_optimizer",
-    "fit_step_collective",
+    "fit_step_probe",
     "fit_wake",
     "overlap_share",
     "profile_from",
@@ -162,15 +165,47 @@ def fit_optimizer(points: list[tuple[int, int, float]]) -> tuple[float, float]:
     return per_tensor, per_element
 
 
-def fit_step_collective(points: list[tuple[int, float, float]]) -> float:
-    """Seconds per collective through `points` `(collectives, predicted s, measured s)`; see the
-    module docstring (0 with fewer than two distinct collective counts)."""
-    if len({count for count, _, _ in points}) < 2:
+def _slope(xs: list[float], rs: list[float]) -> float:
+    """The least-squares slope of `rs` over `xs` with an intercept, clamped at 0 (0 if `xs` is constant)."""
+    mean_x, mean_r = sum(xs) / len(xs), sum(rs) / len(rs)
+    spread = sum((x - mean_x) ** 2 for x in xs)
+    if spread == 0:
         return 0.0
-    mean_n = sum(n for n, _, _ in points) / len(points)
-    mean_r = sum(m - p for _, p, m in points) / len(points)
-    spread = sum((n - mean_n) ** 2 for n, _, _ in points)
-    return max(0.0, sum((n - mean_n) * (m - p - mean_r) for n, p, m in points) / spread)
+    return max(0.0, sum((x - mean_x) * (r - mean_r) for x, r in zip(xs, rs, strict=True)) / spread)
+
+
+def fit_step_probe(points: list[tuple[int, int, float, float]]) -> tuple[float, float]:
+    """(seconds per collective, seconds per exposed wait) through `points` `(collectives, of which
+    exposed, predicted s, measured s)`: `measured - predicted = outside + a * collectives + b *
+    exposed` by least squares, `a, b >= 0` (a term that would go negative is dropped and the other
+    refitted alone; of the fits left, the smallest squared error); see the module docstring. (0, 0)
+    without two plans that differ."""
+    if len(points) < 2:
+        return 0.0, 0.0
+    ns = [float(n) for n, _, _, _ in points]
+    es = [float(e) for _, e, _, _ in points]
+    rs = [m - p for _, _, p, m in points]
+
+    def error(a: float, b: float) -> float:
+        left = [r - a * n - b * e for n, e, r in zip(ns, es, rs, strict=True)]
+        mean = sum(left) / len(left)
+        return sum((x - mean) ** 2 for x in left)
+
+    fits = [(_slope(ns, rs), 0.0), (0.0, _slope(es, rs)), (0.0, 0.0)]
+    center = [[v - sum(vs) / len(vs) for v in vs] for vs in (ns, es, rs)]
+    cn, ce, cr = center
+    s_nn, s_ee = sum(x * x for x in cn), sum(x * x for x in ce)
+    s_ne = sum(x * y for x, y in zip(cn, ce, strict=True))
+    det = s_nn * s_ee - s_ne * s_ne
+    if det > 1e-9 * max(s_nn * s_ee, 1.0):  # the plans separate the two: both at once
+        s_nr = sum(x * y for x, y in zip(cn, cr, strict=True))
+        s_er = sum(x * y for x, y in zip(ce, cr, strict=True))
+        a, b = (s_ee * s_nr - s_ne * s_er) / det, (s_nn * s_er - s_ne * s_nr) / det
+        if a >= 0 and b >= 0:
+            fits.insert(0, (a, b))
+    least = min(error(*ab) for ab in fits)
+    # the first within rounding of the least: both terms, then per collective alone (two plans fit either exactly)
+    return next(ab for ab in fits if error(*ab) <= least * (1 + 1e-9) + 1e-18)
 
 
 def profile_from(measured: Measurements, *, name: str) -> DeviceProfile:
@@ -184,6 +219,7 @@ def profile_from(measured: Measurements, *, name: str) -> DeviceProfile:
         except ValueError as error:
             raise ValueError(f"{kind}: {error}; was the machine busy? calibrate again on a quieter one") from None
     wake_s, wake_tau_s, drift = fit_wake(measured.wake)
+    per_collective, per_exposed_wait = fit_step_probe(measured.step_probe)
     return DeviceProfile(
         name=name,
         latency_s=fits["all_gather"][0],
@@ -206,5 +242,6 @@ def profile_from(measured: Measurements, *, name: str) -> DeviceProfile:
             for op, points in sorted(measured.copy_calls.items())
         ),
         capacity_bytes=measured.capacity_bytes,
-        step_collective_s=fit_step_collective(measured.step_probe),
+        step_collective_s=per_collective,
+        step_exposed_wait_s=per_exposed_wait,
     )

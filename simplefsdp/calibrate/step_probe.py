@@ -7,14 +7,21 @@ collective that none of them sees alone. Measured on the 2-core development host
 the scoreboard's eight simplefsdp rows ran 24 ms + 0.41 ms per collective longer than the profile
 predicted (27 to 224 collectives a step, least squares); `bench/inspect_validate.py`'s model, half
 as deep, 0.34 ms per collective. So calibration ends by measuring it in situ: one small
-Llama-style model (`PROBE`, not the benchmarks' models), wrapped FULL_SHARD and compiled twice --
-once without passes (one collective per parameter use) and once with the default per-block
-buckets -- each timed for whole steps (forward, loss, backward, AdamW step) and predicted by the
-schedule replay of `simplefsdp.inspect.schedule` on the graphs it compiled, with the profile fitted
-from every other timing. The part of the error that grows with the collective count is the
-profile's `step_collective_s` (`fit.fit_step_collective`); the part that does not (time outside the
-compiled graphs, which grows with the model, not with the plan) is left out: a plan cannot change
-it, and a different model would not share it.
+Llama-style model (`PROBE`, not the benchmarks' models), wrapped FULL_SHARD and compiled three
+times -- without passes (one collective per parameter use, each waited right after its launch),
+with the default per-block buckets not reordered (few collectives, each waited right after its
+launch) and with the default plan (the same buckets, run behind compute) -- each timed for whole
+steps (forward, loss, backward, AdamW step) and predicted by the schedule replay of
+`simplefsdp.inspect.schedule` on the graphs it compiled, with the profile fitted from every other
+timing. `fit.fit_step_probe` splits the error three ways: a part per collective
+(`step_collective_s`), a part per wait with no compute since its launch (`step_exposed_wait_s`:
+the second and third plans differ only there), and a part that grows with neither (time outside
+the compiled graphs, which grows with the model, not with the plan), left out: a plan cannot
+change it, and a different model would not share it. The split matters where ranks outnumber
+cores: on 4 gloo ranks over 2 cores the probe measured 0.8 ms per wait right after a launch and
+nothing per collective, on 2 ranks 0.3 ms per collective and 0.01 ms per such wait; one term per
+collective fitted to both plans charged the default plan's overlapped collectives for the
+unbucketed plan's waits (2.0 ms each on 4 ranks: +21-25% on `inspect_validate`'s 4-rank rows).
 
 Invariant: the predictions are a pure function of the graphs and the profile, the same on every
 rank; `timings.measure` times the steps like every other timing (median, then the largest over the
@@ -31,7 +38,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import simplefsdp
-from simplefsdp.inspect.record import StepGraphs, recording
+from simplefsdp.inspect.record import recording
 from simplefsdp.inspect.schedule import simulate_step
 from simplefsdp.models import Transformer, TransformerArgs
 from simplefsdp.passes.collectives import is_collective
@@ -43,14 +50,11 @@ __all__ = ["PROBE", "PROBE_QUICK", "ProbeStep", "probe_steps"]
 PROBE = TransformerArgs(vocab_size=512, dim=128, n_layers=4, n_heads=4, ffn_dim=344, max_seq_len=64)
 PROBE_QUICK = TransformerArgs(vocab_size=67, dim=32, n_layers=2, n_heads=4, ffn_dim=88, max_seq_len=16)
 _BATCH = 2
-# the two plans: no passes (one collective per parameter use, each waited where traced) and the
-# default buckets. Not "the pass with bucketing off": that reorders a hundred small collectives to
-# overlap, and on 2 gloo ranks one such probe of five hung in a reduce-scatter's wait
-_PLANS = (None, simplefsdp.PassConfig())
-
-
-def _collectives(graphs: StepGraphs) -> int:
-    return sum(is_collective(node) for graph in graphs.post for node in graph.nodes)
+# the three plans: no passes (one collective per parameter use, each waited where traced), the
+# default buckets not reordered (few collectives, each waited where traced) and the default plan
+# (the same buckets, run behind compute). Not "the pass with bucketing off": that reorders a hundred
+# small collectives to overlap, and on 2 gloo ranks one such probe of five hung in a reduce-scatter's wait
+_PLANS = (None, simplefsdp.PassConfig(reorder=None), simplefsdp.PassConfig())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,6 +63,7 @@ class ProbeStep:
     and the training step itself, for `timings.py` to time."""
 
     collectives: int
+    exposed: int  # of which waited with no compute since their launch (`CommEvent.status` "exposed")
     predicted_s: float
     step: Callable[[], None]
 
@@ -86,8 +91,12 @@ def _one_plan(
         step()  # compiles the forward and the backward
     if len(graphs.post) != 2:
         raise RuntimeError(f"the probe's step compiled {len(graphs.post)} graphs, expected a forward and a backward")
-    predicted = simulate_step(graphs.post[0], graphs.post[1], device=profile, model=model).step_s
-    return ProbeStep(collectives=_collectives(graphs), predicted_s=predicted, step=step)
+    schedule = simulate_step(graphs.post[0], graphs.post[1], device=profile, model=model)
+    collectives = sum(is_collective(node) for graph in graphs.post for node in graph.nodes)
+    if collectives != len(schedule.comm):
+        raise RuntimeError(f"the probe issues {collectives} collectives, its schedule waits {len(schedule.comm)}")
+    exposed = sum(event.status == "exposed" for event in schedule.comm)
+    return ProbeStep(collectives=collectives, exposed=exposed, predicted_s=schedule.step_s, step=step)
 
 
 def probe_steps(*, profile: DeviceProfile, device: torch.device, quick: bool = False) -> list[ProbeStep]:

@@ -33,8 +33,9 @@ returns the same `Measurements` and the fitted profile does not depend on which 
   group, as `simplefsdp.wrap` leaves them, for many small and for few large shards -> seconds per
   parameter tensor and per element (`fit.fit_optimizer`);
 - step probe, last (it needs the profile the rest fits): a small model's compiled training step,
-  without passes and with the default buckets, measured and predicted -> what each collective costs a
-  real step beyond the rest of the profile (`step_probe.py`, `fit.fit_step_collective`).
+  without passes, with the default buckets not reordered and with the default plan, measured and
+  predicted -> what each collective, and each wait right after a launch, costs a real step beyond
+  the rest of the profile (`step_probe.py`, `fit.fit_step_probe`).
 """
 
 from __future__ import annotations
@@ -88,8 +89,8 @@ class Measurements:
     copy_calls: dict[str, list[tuple[int, float]]] = dataclasses.field(default_factory=dict)
     # copy op -> [(member tensors, seconds until a call on 8-element members returns)]
     capacity_bytes: float | None = None  # memory one rank may use
-    step_probe: list[tuple[int, float, float]] = dataclasses.field(default_factory=list)
-    # [(collectives per step, predicted seconds without the probe's fit, measured seconds)]
+    step_probe: list[tuple[int, int, float, float]] = dataclasses.field(default_factory=list)
+    # [(collectives per step, of which exposed, predicted seconds without the probe's fit, measured seconds)]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -463,5 +464,7 @@ def measure(*, device: torch.device, quick: bool = False) -> Measurements:
     )
     probes = probe_steps(profile=profile_from(measured, name="without the step probe"), device=device, quick=quick)
     seconds = _agree([_median_s(probe.step, device, plan.repeats) for probe in probes], device)
-    points = [(probe.collectives, probe.predicted_s, s) for probe, s in zip(probes, seconds, strict=True)]
+    points = [
+        (probe.collectives, probe.exposed, probe.predicted_s, s) for probe, s in zip(probes, seconds, strict=True)
+    ]
     return dataclasses.replace(measured, step_probe=points)

@@ -13,7 +13,8 @@ per process group. `simulate` replays a post-pass graph in node order with
   clock pays what else a collective costs a compiled step (`step_collective_s`), exposed or not
   (see [Note: what a training step adds] in `passes/cost.py`);
 - a wait stalls the compute clock until its collective has finished; that stall is the
-  collective's *exposed* time;
+  collective's *exposed* time; a wait with no compute since the launch also stalls for what else
+  such a wait costs a compiled step (`step_exposed_wait_s`, same note);
 - where communication does not fully run in parallel with compute (a profile's `overlap` below 1:
   on a small CPU host, the communication threads take the compute's cores), the time a collective
   ran behind compute costs the compute clock `(1 - overlap)` of it at the wait, counted as exposed.
@@ -182,6 +183,8 @@ def simulate(
             launch = pending[node.args[0]]
             hidden = max(0.0, min(launch.end_s, clock) - max(launch.start_s, launch.launch_s + launch.issue_s))
             stall = max(0.0, launch.end_s - clock) + (1.0 - device.overlap) * hidden
+            if launch.compute_s == 0.0:  # waited with no compute since its launch: "exposed"
+                stall += cost.step_exposed_wait_seconds(device)
             if stall:
                 _close_span(spans, span_start, clock, span_label)
                 stalls.append((clock, clock + stall))

@@ -14,7 +14,7 @@ from simplefsdp.calibrate.fit import (
     fit_alpha_beta,
     fit_launch,
     fit_optimizer,
-    fit_step_collective,
+    fit_step_probe,
     fit_wake,
     overlap_share,
     profile_from,
@@ -89,23 +89,45 @@ def test_quick_calibration_on_two_ranks_round_trips(tmp_path):
     big = cost.collective_seconds(profile, kind="reduce_scatter", nbytes=2**24, world=2)
     assert big > cost.collective_seconds(profile, kind="reduce_scatter", nbytes=2**12, world=2)
     probe = data["measured"]["step_probe"]  # [Note: what a collective costs a step]
-    assert len(probe) == 2, probe
-    assert probe[0][0] > probe[1][0], "without passes, the probe issues more collectives than with the default plan"
-    assert all(predicted > 0 and measured > 0 for _, predicted, measured in probe), probe
-    assert profile.step_collective_s == fit_step_collective([tuple(point) for point in probe])
+    assert len(probe) == 3, probe
+    (none, none_exposed, _, _), (kept, kept_exposed, _, _), (default, default_exposed, _, _) = probe
+    assert none > default == kept, "no passes: more collectives; the default plan has the same buckets reordered"
+    assert none_exposed == none, "no passes: each collective waited right after its launch"
+    assert kept_exposed == kept, "buckets not reordered: each waited right after its launch"
+    assert default_exposed < default, "the default plan runs collectives behind compute"
+    assert all(predicted > 0 and measured > 0 for _, _, predicted, measured in probe), probe
+    fitted = fit_step_probe([tuple(point) for point in probe])
+    assert (profile.step_collective_s, profile.step_exposed_wait_s) == fitted
 
 
-def test_fit_step_collective_takes_the_slope_of_the_error_over_the_collectives():
+def test_fit_step_probe_separates_what_every_collective_and_an_exposed_wait_cost():
     """[Note: what a collective costs a step]: the error that grows with the collective count is
-    charged per collective; the part that does not (the model's own overhead) is not."""
-    per_collective, outside = 4e-4, 0.02
-    points = [(n, 0.1 + n * 1e-4, 0.1 + n * 1e-4 + outside + n * per_collective) for n in (224, 27)]
-    assert fit_step_collective(points) == pytest.approx(per_collective, rel=1e-9)
-    noisy = [*points, (100, 0.12, 0.12 + outside + 100 * per_collective + 1e-3)]
-    assert fit_step_collective(noisy) == pytest.approx(per_collective, rel=0.05), "least squares over three"
-    assert fit_step_collective([(224, 0.3, 0.25), (27, 0.1, 0.12)]) == 0.0, "over-predicted more with more: none"
-    assert fit_step_collective([(27, 0.1, 0.12)]) == 0.0, "one plan: no slope"
-    assert fit_step_collective([]) == 0.0, "not probed: no charge"
+    charged per collective, the error that grows with the waits with no compute before them per such
+    wait; the part that grows with neither (the model's own overhead) is not charged."""
+    per_collective, per_wait, outside = 2e-4, 1.5e-3, 0.02
+
+    def point(n: int, exposed: int, predicted: float, noise: float = 0.0) -> tuple[int, int, float, float]:
+        return n, exposed, predicted, predicted + outside + n * per_collective + exposed * per_wait + noise
+
+    plans = [point(116, 116, 0.08), point(15, 15, 0.05), point(15, 2, 0.04)]  # the probe's three plans
+    assert fit_step_probe(plans) == pytest.approx((per_collective, per_wait), rel=1e-9)
+    noisy = [*plans, point(60, 30, 0.06, noise=5e-4)]
+    a, b = fit_step_probe(noisy)
+    assert a == pytest.approx(per_collective, rel=0.2), "least squares"
+    assert b == pytest.approx(per_wait, rel=0.2), "least squares"
+    # a term that would go negative is dropped and the other refitted alone
+    only_waits = [(n, e, 0.1, 0.1 + outside + e * per_wait - n * 1e-5) for n, e, _, _ in plans]
+    a, b = fit_step_probe(only_waits)
+    assert a == 0.0
+    assert b > 0
+    over = [(n, e, 0.1 + 0.001 * n, 0.2) for n, e, _, _ in plans]
+    assert fit_step_probe(over) == (0.0, 0.0), "over-predicted more with more: nothing charged"
+    two = [point(116, 116, 0.08), point(15, 2, 0.04)]
+    assert fit_step_probe(two) == pytest.approx(((101 * per_collective + 114 * per_wait) / 101, 0.0)), (
+        "two plans cannot separate the terms: all of it per collective"
+    )
+    assert fit_step_probe([point(27, 3, 0.1)]) == (0.0, 0.0), "one plan: no slope"
+    assert fit_step_probe([]) == (0.0, 0.0), "not probed: no charge"
 
 
 def test_fit_wake_recovers_a_saturating_curve_with_drift_and_clamps_noise():

@@ -107,3 +107,21 @@ def test_what_else_a_collective_costs_a_step_is_charged_on_top_hidden_or_exposed
         plain = simulate(_graph(*order), device=base, phase="forward")
         charged = simulate(_graph(*order), device=device, phase="forward")
         assert charged.end_s == pytest.approx(plain.end_s + order.count("launch") * 3e-4, rel=1e-9), order
+
+
+def test_a_wait_with_no_compute_since_its_launch_costs_what_calibration_measured():
+    """[Note: what a training step adds]: `step_exposed_wait_s` is paid at each wait with no compute
+    between it and its launch (the collective's status is "exposed"), and at no other wait."""
+    base = dataclasses.replace(cost.profile("cpu-gloo"), overlap=1.0)
+    device = dataclasses.replace(base, step_exposed_wait_s=5e-4)
+    for order, exposed in (
+        (("launch", "mm", "wait"), 0),
+        (("launch", "wait"), 1),
+        (("launch", "wait", "mm", "launch", "wait"), 2),
+        (("launch", "launch", "wait", "mm", "wait"), 1),
+    ):
+        plain = simulate(_graph(*order), device=base, phase="forward")
+        charged = simulate(_graph(*order), device=device, phase="forward")
+        assert sum(event.status == "exposed" for event in charged.comm) == exposed, order
+        assert charged.end_s == pytest.approx(plain.end_s + exposed * 5e-4, rel=1e-9), order
+        assert charged.exposed_s == pytest.approx(plain.exposed_s + exposed * 5e-4, rel=1e-9), "a stall"

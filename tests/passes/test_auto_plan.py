@@ -81,6 +81,23 @@ def test_a_tighter_budget_gives_smaller_buckets_within_it(fake_world8, tmp_path,
 
 
 @pytest.mark.slow
+def test_a_costly_wait_right_after_the_launch_makes_the_plan_prefetch(fake_world8, tmp_path):
+    """[Note: what a bucket costs whatever overlaps it]: with no overlap and a tight budget, prefetch
+    depth 0 wins (depth 1 halves the buckets for nothing); a profile whose waits right after a
+    launch cost a second each turns that round (at depth 0 every gather is one, at depth 1 the first)."""
+    base = dataclasses.replace(cost.profile("cpu-gloo"), name="no-overlap", overlap=0.0)
+    depths = {}
+    for wait_s in (0.0, 1.0):
+        path = tmp_path / f"wait-{wait_s}.json"
+        cost.save_profile(dataclasses.replace(base, step_exposed_wait_s=wait_s), path)
+        graphs, graph_pass = _compile(BucketConfig(plan="auto", device=str(path), memory_budget=0.05))
+        depths[wait_s] = (1 if graph_pass.reorders[0].budgets[0] else 0, len(_gathers(graphs.forward)))
+    assert depths[0.0][0] == 0, depths
+    assert depths[1.0][0] == 1, depths
+    assert depths[0.0][1] > 1, "the budget splits the gathers: depth 0 has several waits right after a launch"
+
+
+@pytest.mark.slow
 def test_the_plan_is_a_function_of_graph_profile_and_budget(fake_world8, tmp_path):
     config = BucketConfig(plan="auto", device=_profile_file(tmp_path, overlap=0.5), memory_budget=0.5)
     first, _ = _compile(config)

@@ -147,6 +147,7 @@ def test_profile_file_round_trips_the_step_terms(tmp_path):
         launch=(("all_gather", 2e-4, 1e-11),),
         copy_ops=(("all_gather_copy_out", 3e-5, 7e-6), ("reduce_scatter_copy_in", 2e-5, 2e-6)),
         step_collective_s=3e-4,
+        step_exposed_wait_s=5e-4,
     )
     cost.save_profile(device, tmp_path / "p.json")
     assert cost.profile(str(tmp_path / "p.json")) == device
@@ -156,12 +157,15 @@ def test_profile_file_round_trips_the_step_terms(tmp_path):
         dataclasses.replace(H100, copy_ops=(("all_gather_copy_in", 1e-5, -1e-6),))
     with pytest.raises(ValueError, match=r"optimizers must be at most one each of .*got \['adam'\]"):
         dataclasses.replace(H100, optimizers=(("adam", 1e-4, 1e-9),))
-    with pytest.raises(ValueError, match="wake_s, drift and step_collective_s must be >= 0"):
-        dataclasses.replace(H100, wake_s=-1.0)
-    with pytest.raises(ValueError, match="wake_s, drift and step_collective_s must be >= 0"):
-        dataclasses.replace(H100, drift=-0.1)
-    with pytest.raises(ValueError, match="step_collective_s must be >= 0"):
-        dataclasses.replace(H100, step_collective_s=-1e-4)
+    terms = "wake_s, drift, step_collective_s and step_exposed_wait_s must be >= 0"
+    for field, value in (
+        ("wake_s", -1.0),
+        ("drift", -0.1),
+        ("step_collective_s", -1e-4),
+        ("step_exposed_wait_s", -1e-4),
+    ):
+        with pytest.raises(ValueError, match=terms):
+            dataclasses.replace(H100, **{field: value})
 
 
 def test_a_copy_op_costs_its_call_on_top_of_its_bytes():
