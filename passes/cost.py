@@ -83,8 +83,8 @@ six are measured by `simplefsdp calibrate`; the named profiles leave them at zer
   collective starts, on top whether the collective is hidden or exposed (`step_collective_seconds`).
 - What is left per wait right after a launch: with more ranks than cores, each rank that blocks on
   a collective it has just issued must wait for every other rank to be scheduled, and that costs
-  milliseconds (4 gloo ranks on the 2 cores: 0.8 ms per such wait, nothing per collective; 2 ranks:
-  0.01 ms per wait, 0.3 ms per collective -- measured by the probe). The probe tells the two apart
+  milliseconds (4 gloo ranks on the 2 cores: 0.6-0.8 ms per such wait; 2 ranks: 0-0.01 ms --
+  two calibrations with 4 ranks, three with 2). The probe tells the two apart
   (the same buckets with and without reordering), `step_exposed_wait_s` holds it, and the schedule
   adds it to the stall of each wait with no compute since its launch (`step_exposed_wait_seconds`).
 """

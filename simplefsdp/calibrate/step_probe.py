@@ -18,10 +18,11 @@ timing. `fit.fit_step_probe` splits the error three ways: a part per collective
 the second and third plans differ only there), and a part that grows with neither (time outside
 the compiled graphs, which grows with the model, not with the plan), left out: a plan cannot
 change it, and a different model would not share it. The split matters where ranks outnumber
-cores: on 4 gloo ranks over 2 cores the probe measured 0.8 ms per wait right after a launch and
-nothing per collective, on 2 ranks 0.3 ms per collective and 0.01 ms per such wait; one term per
-collective fitted to both plans charged the default plan's overlapped collectives for the
-unbucketed plan's waits (2.0 ms each on 4 ranks: +21-25% on `inspect_validate`'s 4-rank rows).
+cores: on 4 gloo ranks over 2 cores two calibrations fitted 0.80 and 0.58 ms per wait right after
+a launch (and 0 and 1.74 ms per collective: the two terms trade from run to run), on 2 ranks
+0.15-0.39 ms per collective and 0-0.01 ms per such wait; one term per collective fitted to two
+plans had charged the default plan's overlapped collectives for the unbucketed plan's waits (2.0 ms
+each on 4 ranks: +21-25% on `inspect_validate`'s 4-rank rows).
 
 Invariant: the predictions are a pure function of the graphs and the profile, the same on every
 rank; `timings.measure` times the steps like every other timing (median, then the largest over the
