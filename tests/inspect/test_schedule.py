@@ -125,3 +125,22 @@ def test_a_wait_with_no_compute_since_its_launch_costs_what_calibration_measured
         assert sum(event.status == "exposed" for event in charged.comm) == exposed, order
         assert charged.end_s == pytest.approx(plain.end_s + exposed * 5e-4, rel=1e-9), order
         assert charged.exposed_s == pytest.approx(plain.exposed_s + exposed * 5e-4, rel=1e-9), "a stall"
+
+
+def test_the_step_terms_add_what_was_measured_to_a_step_that_wakes_and_drifts():
+    """[Note: the step terms add what was measured, no more]: with a wake-up and drift in the
+    profile, a step of N collectives, E of them waited right after their launch, gains exactly
+    `N * step_collective_s + E * step_exposed_wait_s` -- the fit's own terms -- however much compute
+    runs between them; their seconds are not idle time that wakes the next collective up more."""
+    base = dataclasses.replace(cost.profile("cpu-gloo"), overlap=1.0, wake_s=2e-3, wake_tau_s=1e-3, drift=0.1)
+    device = dataclasses.replace(base, step_collective_s=3e-4, step_exposed_wait_s=5e-4)
+    for order, exposed in (
+        (("launch", "wait", "mm", "launch", "wait", "mm", "launch", "wait"), 3),
+        (("launch", "mm", "wait", "launch", "mm", "wait"), 0),
+        (("launch", "wait", "launch", "mm", "wait", "mm", "launch", "wait"), 2),
+    ):
+        plain = simulate(_graph(*order), device=base, phase="forward")
+        charged = simulate(_graph(*order), device=device, phase="forward")
+        assert [e.duration_s for e in charged.comm] == pytest.approx([e.duration_s for e in plain.comm], rel=1e-9)
+        added = order.count("launch") * 3e-4 + exposed * 5e-4
+        assert charged.end_s == pytest.approx(plain.end_s + added, rel=1e-9), order
