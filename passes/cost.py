@@ -80,7 +80,10 @@ six are measured by `simplefsdp calibrate`; the named profiles leave them at zer
   measures it last, on real compiled steps of a small model without and with the passes
   (`simplefsdp/calibrate/step_probe.py`, [Note: what a collective costs a step]);
   `step_collective_s` holds it, and the schedule charges it to the compute clock before each
-  collective starts, on top whether the collective is hidden or exposed (`step_collective_seconds`).
+  collective starts, on top whether the collective is hidden or exposed (`step_collective_seconds`),
+  as time that is neither idle nor compute to the next collective's wake-up and drift (so a step
+  gains what the fit charged and no more: [Note: the step terms add what was measured, no more] in
+  `simplefsdp/inspect/schedule.py`; the same for the next term).
 - What is left per wait right after a launch: with more ranks than cores, each rank that blocks on
   a collective it has just issued must wait for every other rank to be scheduled, and that costs
   milliseconds (4 gloo ranks on the 2 cores: 0.6-0.8 ms per such wait; 2 ranks: 0-0.01 ms --
