@@ -185,12 +185,13 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--out", default=None, help="directory for inspect_validate.json / .md")
     args = parser.parse_args()
-    rows = []
+    rows, profiles = [], {}
     for world in sorted({c.world for c in CONFIGS}):
         configs = [(i, c) for i, c in enumerate(CONFIGS) if c.world == world]
         results = spawn(_worker, (configs, args.steps), world=world)
         profile = profile_from(results["calibration"], name=f"cpu-calibrated-{world}x")
         print(f"{world} ranks, calibrated: {profile}", flush=True)
+        profiles[f"{world} ranks"] = dataclasses.asdict(profile)  # what each prediction used, to diff runs
         for index, config in configs:
             rows.append(_row(config, results["measured"][index], _predict(config, profile)))
     table = _markdown(rows)
@@ -199,7 +200,7 @@ def main() -> None:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         (out / "inspect_validate.json").write_text(
-            json.dumps({"model": dataclasses.asdict(MODEL), "rows": rows}, indent=1) + "\n"
+            json.dumps({"model": dataclasses.asdict(MODEL), "rows": rows, "profiles": profiles}, indent=1) + "\n"
         )
         (out / "inspect_validate.md").write_text(table)
 
