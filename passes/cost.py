@@ -41,7 +41,21 @@ rank plans; they do not predict wall time to the microsecond.
 
 [Note: what a training step adds]
 What a training step pays that a collective timed back to back, or a roofline, does not show. All
-six are measured by `simplefsdp calibrate`; the named profiles leave them at zero / memory bound.
+seven are measured by `simplefsdp calibrate`; the named profiles leave them at zero / memory bound
+(and compute at the roofline).
+- Compute as compiled: the roofline takes the matmul rate of one large square matmul and the
+  bandwidth of one large copy, timed for a fraction of a second each. On the 2-core host that
+  matmul timed 82-216 GFLOP/s from one calibration to the next, and the predicted steps followed it
+  while the steps themselves did not (a validation run that timed 88 GFLOP/s over-predicted by up
+  to 20%, one that timed 188 GFLOP/s under-predicted by up to 13%); and a compiled forward and
+  backward is not one large matmul: measured four times in one process, the 8-block benchmark
+  model's took 1.11-1.14x its roofline, a 4-block one 1.10-1.20x, the calibration's small probe
+  1.16-1.27x -- all while that matmul timed 93-99 GFLOP/s. So calibration times a real one,
+  the probe model compiled without sharding, against its roofline at the rates just measured, and
+  `compute_scale` (measured / roofline) multiplies every node's roofline (`node_seconds`): what
+  compiled compute runs at then comes from compiled compute, and a matmul timing caught in a
+  slow moment cancels out of it. Measured on the CPU only: on a GPU a model that small times kernel
+  launches, not throughput, and a scale taken from it would inflate every large model's compute.
 - Wake-up and drift: a collective launched after its process group sat idle while compute ran
   costs more than one launched right after another (on a 2-core host over gloo: 0.5 ms back to
   back, 1.5 ms after 0.7 ms of matmuls, 2.5 ms after 6 ms -- measured): a quick rise (the
@@ -166,6 +180,7 @@ class DeviceProfile:
     copy_ops: tuple[tuple[str, float, float], ...] = ()  # (op, seconds per call, seconds per member tensor)
     step_collective_s: float = 0.0  # what else each collective costs a compiled step (measured in one)
     step_exposed_wait_s: float = 0.0  # what else waiting one with no compute since its launch costs (same)
+    compute_scale: float = 1.0  # wall seconds of compiled compute per roofline second (1: the roofline)
 
     def __post_init__(self) -> None:
         rates = {k: getattr(self, k) for k in ("bus_bytes_per_s", "flops_per_s", "memory_bytes_per_s")}
@@ -178,6 +193,8 @@ class DeviceProfile:
         unknown = [kind for kind, _, _ in self.collectives if kind not in COLLECTIVE_KINDS]
         if unknown or len({kind for kind, _, _ in self.collectives}) != len(self.collectives):
             raise ValueError(f"device profile {self.name!r}: collectives must be one each of {COLLECTIVE_KINDS}")
+        if not self.compute_scale > 0:
+            raise ValueError(f"device profile {self.name!r}: compute_scale must be > 0: {self}")
         if self.capacity_bytes is not None and not self.capacity_bytes > 0:
             raise ValueError(f"device profile {self.name!r}: capacity_bytes must be > 0 or None: {self}")
         step = (self.step_collective_s, self.step_exposed_wait_s)
@@ -283,7 +300,7 @@ def load_profile(path: str | Path) -> DeviceProfile:
         nested = {*_NESTED, "staging"}
         fields = {f.name for f in dataclasses.fields(DeviceProfile)} - nested
         optional = {"overlap", "wake_s", "wake_tau_s", "drift", "capacity_bytes"}
-        optional |= {"step_collective_s", "step_exposed_wait_s"}
+        optional |= {"step_collective_s", "step_exposed_wait_s", "compute_scale"}
         missing = sorted(f for f in fields - optional if f not in data)
         if missing:
             raise ValueError(f"missing keys {missing}")
@@ -439,14 +456,15 @@ def node_flops(node: fx.Node, values: tuple[tuple, dict] | None = None) -> int:
 
 
 def node_seconds(device: DeviceProfile, node: fx.Node) -> float:
-    """Roofline seconds of one compute node (0 for placeholders, outputs and what moves no data), plus
-    a bucket copy op's call overhead where the profile measured it (`copy_call_seconds`)."""
+    """Roofline seconds of one compute node (0 for placeholders, outputs and what moves no data) times
+    the profile's `compute_scale`, plus a bucket copy op's call overhead where the profile measured it
+    (`copy_call_seconds`)."""
     if node.op != "call_function" or "val" not in node.meta or _moves_no_data(node):
         return 0.0
     args = fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta.get("val"))
     moved = _tensor_bytes(args) + _tensor_bytes(node.meta["val"])
     roofline = max(node_flops(node, args) / device.flops_per_s, moved / device.memory_bytes_per_s)
-    return roofline + _copy_call_seconds(device, node)
+    return roofline * device.compute_scale + _copy_call_seconds(device, node)
 
 
 def compute_between(device: DeviceProfile, graph: fx.Graph, marks: list[fx.Node]) -> list[float]:

@@ -79,6 +79,7 @@ def _describe(profile: DeviceProfile) -> str:
         f"profile {profile.name!r}",
         line("matmul", f"{profile.flops_per_s / 1e9:,.1f} GFLOP/s"),
         line("memory", f"{profile.memory_bytes_per_s / 1e9:,.2f} GB/s"),
+        line("compiled compute", f"{profile.compute_scale:.2f} x the roofline of those two rates"),
         line("overlap", f"{profile.overlap:.2f} of communication time runs beside compute"),
         line("capacity", capacity),
     ]

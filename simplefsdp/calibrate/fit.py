@@ -32,6 +32,9 @@ real compiled step beyond what the rest of the profile charges. Plans that canno
 apart (two plans, or the exposed waits a fixed share of the collectives) charge it all per
 collective. No probe, no charge.
 
+Compute ([Note: compute as compiled] in `step_probe.py`): `compute_scale = measured / roofline`
+seconds of the probe's compiled forward and backward; not probed (a GPU), 1.
+
 Optimizer: `seconds = tensors * tensor_s + tensors * elements * element_s` through the measured
 shapes (least squares over them; two shapes: the exact solution), each term clamped at zero.
 """
@@ -47,6 +50,7 @@ if TYPE_CHECKING:  # timings.py uses the fit to decide when to time again
     from simplefsdp.calibrate.timings import Measurements
 
 __all__ = [
+    "compute_scale",
     "fit_alpha_beta",
     "fit_launch",
     "fit_optimizer",
@@ -208,6 +212,17 @@ def fit_step_probe(points: list[tuple[int, int, float, float]]) -> tuple[float, 
     return next(ab for ab in fits if error(*ab) <= least * (1 + 1e-9) + 1e-18)
 
 
+def compute_scale(probe: tuple[float, float] | None) -> float:
+    """Wall seconds per roofline second of `probe` `(roofline seconds, measured seconds)`; see the
+    module docstring."""
+    if probe is None:
+        return 1.0
+    roofline, measured = probe
+    if not roofline > 0 or not measured > 0:
+        raise ValueError(f"compiled compute: roofline {roofline} s and measured {measured} s must both be > 0")
+    return measured / roofline
+
+
 def profile_from(measured: Measurements, *, name: str) -> DeviceProfile:
     """The profile the measurements fit."""
     world = measured.world_size
@@ -244,4 +259,5 @@ def profile_from(measured: Measurements, *, name: str) -> DeviceProfile:
         capacity_bytes=measured.capacity_bytes,
         step_collective_s=per_collective,
         step_exposed_wait_s=per_exposed_wait,
+        compute_scale=compute_scale(measured.compute_probe),
     )

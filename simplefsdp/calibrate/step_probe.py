@@ -24,6 +24,13 @@ a launch (and 0 and 1.74 ms per collective: the two terms trade from run to run)
 plans had charged the default plan's overlapped collectives for the unbucketed plan's waits (2.0 ms
 each on 4 ranks: +21-25% on `inspect_validate`'s 4-rank rows).
 
+[Note: compute as compiled]
+Before the three plans, the same model is compiled without sharding (no collectives, no passes)
+and its forward and backward are timed against their roofline at the profile's matmul and copy
+rates: `fit.py` turns the pair into `DeviceProfile.compute_scale` ([Note: what a training step
+adds] in `passes/cost.py`), and the three plans are then predicted with it -- so the per-collective
+terms fitted from them are what is left once compute is charged what it really took.
+
 Invariant: the predictions are a pure function of the graphs and the profile, the same on every
 rank; `timings.measure` times the steps like every other timing (median, then the largest over the
 ranks), so every rank ends with the same points.
@@ -43,10 +50,10 @@ from simplefsdp.inspect.record import recording
 from simplefsdp.inspect.schedule import simulate_step
 from simplefsdp.models import Transformer, TransformerArgs
 from simplefsdp.passes.collectives import is_collective
-from simplefsdp.passes.cost import DeviceProfile
+from simplefsdp.passes.cost import DeviceProfile, compute_between
 from simplefsdp.passes.install import pass_of
 
-__all__ = ["PROBE", "PROBE_QUICK", "ProbeStep", "probe_steps"]
+__all__ = ["PROBE", "PROBE_QUICK", "ProbeCompute", "ProbeStep", "probe_compute", "probe_steps"]
 
 PROBE = TransformerArgs(vocab_size=512, dim=128, n_layers=4, n_heads=4, ffn_dim=344, max_seq_len=64)
 PROBE_QUICK = TransformerArgs(vocab_size=67, dim=32, n_layers=2, n_heads=4, ffn_dim=88, max_seq_len=16)
@@ -69,22 +76,65 @@ class ProbeStep:
     step: Callable[[], None]
 
 
+@dataclasses.dataclass(frozen=True)
+class ProbeCompute:
+    """The probe model compiled without sharding ([Note: compute as compiled]): the roofline seconds of
+    its forward and backward under the profile it was costed with, and the pass itself, to time."""
+
+    roofline_s: float
+    forward_backward: Callable[[], None]
+
+
+def _model(args: TransformerArgs, tag: str, device: torch.device) -> Transformer:
+    torch.manual_seed(0)
+    with device:
+        # a class per compile: Dynamo would otherwise reuse an earlier compile's forward
+        return type(f"Probe{tag}", (Transformer,), {})(args)
+
+
+def _tokens(args: TransformerArgs, device: torch.device) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(1 + dist.get_rank())
+    return torch.randint(0, args.vocab_size, (_BATCH, args.max_seq_len + 1), generator=generator).to(device)
+
+
+def _loss(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
+
+
+def probe_compute(*, profile: DeviceProfile, device: torch.device, quick: bool = False) -> ProbeCompute:
+    """[Note: compute as compiled]: the probe model, unsharded, compiled on this rank and costed under
+    `profile` (the scale it carries is left out: the roofline itself). Collective: call on every
+    rank, which each compile the same graphs, so the roofline is the same on every rank."""
+    args = PROBE_QUICK if quick else PROBE
+    model = _model(args, "Compute", device)
+    compiled = torch.compile(model)
+    tokens = _tokens(args, device)
+
+    def forward_backward() -> None:
+        _loss(compiled(tokens[:, :-1]), tokens).backward()
+        for param in model.parameters():
+            param.grad = None
+
+    with recording() as graphs:
+        forward_backward()  # compiles the forward and the backward
+    if len(graphs.post) != 2:
+        raise RuntimeError(f"the probe compiled {len(graphs.post)} graphs unsharded, expected a forward and a backward")
+    roofline = dataclasses.replace(profile, compute_scale=1.0)
+    seconds = sum(sum(compute_between(roofline, graph, [])) for graph in graphs.post)
+    return ProbeCompute(roofline_s=seconds, forward_backward=forward_backward)
+
+
 def _one_plan(
     passes: simplefsdp.PassConfig | None, args: TransformerArgs, profile: DeviceProfile, device: torch.device
 ) -> ProbeStep:
-    torch.manual_seed(0)
-    with device:
-        # a class per plan: Dynamo would otherwise reuse the first plan's compiled forward for the second
-        model = type(f"Probe{id(passes)}", (Transformer,), {})(args)
+    model = _model(args, str(id(passes)), device)
     simplefsdp.wrap(model, passes=passes)
     compiled = torch.compile(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    generator = torch.Generator().manual_seed(1 + dist.get_rank())
-    tokens = torch.randint(0, args.vocab_size, (_BATCH, args.max_seq_len + 1), generator=generator).to(device)
+    tokens = _tokens(args, device)
 
     def step() -> None:
-        logits = compiled(tokens[:, :-1])
-        F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()).backward()
+        _loss(compiled(tokens[:, :-1]), tokens).backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 

@@ -32,7 +32,10 @@ returns the same `Measurements` and the fitted profile does not depend on which 
 - optimizer: one step of AdamW and of SGD with momentum over DTensor parameters sharded over the
   group, as `simplefsdp.wrap` leaves them, for many small and for few large shards -> seconds per
   parameter tensor and per element (`fit.fit_optimizer`);
-- step probe, last (it needs the profile the rest fits): a small model's compiled training step,
+- compiled compute (it needs the matmul and copy rates): a small model's forward and backward,
+  compiled without sharding, against its roofline at those rates -> what compiled compute really
+  runs at (`DeviceProfile.compute_scale`; [Note: compute as compiled] in `step_probe.py`);
+- step probe, last (it needs the profile the rest fits): the same model's compiled training step,
   without passes, with the default buckets not reordered and with the default plan, measured and
   predicted -> what each collective, and each wait right after a launch, costs a real step beyond
   the rest of the profile (`step_probe.py`, `fit.fit_step_probe`).
@@ -54,7 +57,7 @@ import torch.distributed as dist
 from simplefsdp._compat import all_gather_single, c10d_functional, reduce_scatter_single
 from simplefsdp.calibrate.fit import fit_alpha_beta, profile_from
 from simplefsdp.calibrate.high_water import high_water_bytes
-from simplefsdp.calibrate.step_probe import probe_steps
+from simplefsdp.calibrate.step_probe import probe_compute, probe_steps
 from simplefsdp.kernels.copy_ops import ALL_GATHER_COPY_IN, ALL_GATHER_COPY_OUT, REDUCE_SCATTER_COPY_IN
 from simplefsdp.passes.cost import COLLECTIVE_KINDS
 
@@ -89,6 +92,7 @@ class Measurements:
     copy_calls: dict[str, list[tuple[int, float]]] = dataclasses.field(default_factory=dict)
     # copy op -> [(member tensors, seconds until a call on 8-element members returns)]
     capacity_bytes: float | None = None  # memory one rank may use
+    compute_probe: tuple[float, float] | None = None  # (roofline seconds, measured seconds) of compiled compute
     step_probe: list[tuple[int, int, float, float]] = dataclasses.field(default_factory=list)
     # [(collectives per step, of which exposed, predicted seconds without the probe's fit, measured seconds)]
 
@@ -462,6 +466,10 @@ def measure(*, device: torch.device, quick: bool = False) -> Measurements:
         copy_calls=copy_calls,
         capacity_bytes=_capacity(device),
     )
+    if device.type == "cpu":  # [Note: what a training step adds], compute as compiled: the CPU only
+        compute = probe_compute(profile=profile_from(measured, name="roofline"), device=device, quick=quick)
+        (compute_s,) = _agree([_median_s(compute.forward_backward, device, plan.repeats)], device)
+        measured = dataclasses.replace(measured, compute_probe=(compute.roofline_s, compute_s))
     probes = probe_steps(profile=profile_from(measured, name="without the step probe"), device=device, quick=quick)
     seconds = _agree([_median_s(probe.step, device, plan.repeats) for probe in probes], device)
     points = [

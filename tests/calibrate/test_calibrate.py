@@ -11,6 +11,7 @@ import torch
 
 from simplefsdp.calibrate import calibrate, timings
 from simplefsdp.calibrate.fit import (
+    compute_scale,
     fit_alpha_beta,
     fit_launch,
     fit_optimizer,
@@ -98,6 +99,20 @@ def test_quick_calibration_on_two_ranks_round_trips(tmp_path):
     assert all(predicted > 0 and measured > 0 for _, _, predicted, measured in probe), probe
     fitted = fit_step_probe([tuple(point) for point in probe])
     assert (profile.step_collective_s, profile.step_exposed_wait_s) == fitted
+    roofline_s, compute_s = data["measured"]["compute_probe"]  # [Note: compute as compiled]
+    assert roofline_s > 0
+    assert compute_s > 0
+    assert profile.compute_scale == compute_s / roofline_s
+
+
+def test_compute_scale_is_measured_over_roofline_seconds_and_one_when_not_probed():
+    """[Note: compute as compiled]: the scale is what the probe's compiled compute took per roofline
+    second; a profile measured without the probe (a GPU) charges the roofline; nonsense is refused."""
+    assert compute_scale((0.010, 0.0115)) == pytest.approx(1.15)
+    assert compute_scale((0.020, 0.010)) == pytest.approx(0.5), "a matmul timed in a slow moment: below 1"
+    assert compute_scale(None) == 1.0
+    with pytest.raises(ValueError, match=r"compiled compute: roofline 0.0 s and measured 0.01 s must both be > 0"):
+        compute_scale((0.0, 0.01))
 
 
 def test_fit_step_probe_separates_what_every_collective_and_an_exposed_wait_cost():
@@ -222,6 +237,10 @@ def test_a_profile_is_refused_when_a_kinds_times_do_not_grow():
         overlap_both_s=1.5e-3,
         optimizers={"adamw": [(4, 16, 1e-4), (1, 1024, 2e-4)]},
     )
+    fine = dataclasses.replace(measured, collectives={**measured.collectives, "reduce_scatter": growing})
+    assert profile_from(fine, name="roofline").compute_scale == 1.0, "no compute probe: the roofline"
+    probed = dataclasses.replace(fine, compute_probe=(0.004, 0.005))
+    assert profile_from(probed, name="probed").compute_scale == pytest.approx(1.25)
     with pytest.raises(ValueError, match=r"reduce_scatter: the times do not grow with the size.*busy"):
         profile_from(measured, name="flat")
 

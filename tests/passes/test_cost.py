@@ -148,9 +148,12 @@ def test_profile_file_round_trips_the_step_terms(tmp_path):
         copy_ops=(("all_gather_copy_out", 3e-5, 7e-6), ("reduce_scatter_copy_in", 2e-5, 2e-6)),
         step_collective_s=3e-4,
         step_exposed_wait_s=5e-4,
+        compute_scale=1.2,
     )
     cost.save_profile(device, tmp_path / "p.json")
     assert cost.profile(str(tmp_path / "p.json")) == device
+    with pytest.raises(ValueError, match=r"compute_scale must be > 0"):
+        dataclasses.replace(H100, compute_scale=0.0)
     with pytest.raises(ValueError, match=r"copy_ops must be at most one each of .*\('pack', "):
         dataclasses.replace(H100, copy_ops=(("pack", 1e-5, 0.0),))
     with pytest.raises(ValueError, match=r"copy_ops must be .* seconds >= 0"):
@@ -197,3 +200,8 @@ def test_a_copy_op_costs_its_call_on_top_of_its_bytes():
     assert cost.copy_call_seconds(measured, op="all_gather_copy_in", tensors=5) == 0.0, "not measured: nothing"
     mm = _node(torch.ops.aten.mm.default, (64, 64), (64, 64))
     assert cost.node_seconds(measured, mm) == cost.node_seconds(cpu, mm), "only the copy ops pay a call"
+    # [Note: what a training step adds], compute as compiled: the scale multiplies the roofline, not the call
+    scaled = dataclasses.replace(measured, compute_scale=1.5)
+    assert cost.node_seconds(scaled, mm) == pytest.approx(1.5 * cost.node_seconds(cpu, mm))
+    roofline = cost.node_seconds(cpu, out)
+    assert cost.node_seconds(scaled, out) == pytest.approx(1.5 * roofline + 3e-5 + 3 * 7e-6)
