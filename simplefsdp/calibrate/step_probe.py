@@ -79,7 +79,7 @@ class ProbeStep:
 @dataclasses.dataclass(frozen=True)
 class ProbeCompute:
     """The probe model compiled without sharding ([Note: compute as compiled]): the roofline seconds of
-    its forward and backward under the profile it was costed with, and the pass itself, to time."""
+    its forward and backward under the profile it was costed with, and that forward and backward, to time."""
 
     roofline_s: float
     forward_backward: Callable[[], None]
