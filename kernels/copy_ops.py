@@ -56,8 +56,8 @@ _log = logging.getLogger(__name__)
 
 # [Note: not inside CUDA graphs]
 # The Triton path hands the kernel a table of data pointers that it builds on the host and copies to
-# the device at every call (`triton_copy.py`). A CUDA graph would capture one call's copy and replay
-# it with stale addresses, so the ops are tagged `cudagraph_unsafe`: under
+# the device whenever that exact table was not sent before (`triton_copy.py`). A CUDA graph would
+# capture one call's table and replay it with stale addresses, so the ops are tagged `cudagraph_unsafe`: under
 # `torch.compile(mode="reduce-overhead")` inductor leaves them (and runs the rest in CUDA graphs).
 _TAGS = (torch.Tag.cudagraph_unsafe,)
 

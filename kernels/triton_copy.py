@@ -20,11 +20,22 @@ element type: a runtime branch on the dtype code picks fp32, bf16 or fp16 for th
 mixes dtypes), the destination's type is a compile-time constant (one per op call). The same code
 runs in the CPU interpreter (`TRITON_INTERPRET=1`), where a pointer is a host address: checked by
 the kernel tests, which run it there bit for bit against `reference.py`.
-What this costs and assumes: the table is built on the host and copied to the device per call
-(pinned, non-blocking: about 100 bytes a parameter), so a launch is not CUDA-graph capturable; every
-tensor must be on the launch's device and stay alive until the kernel ran, which holds because the
-op's caller holds them and kernels on one stream run in order; the kernel cannot check the pointers,
-so the host wrapper checks devices and sizes first.
+What this costs and assumes: the table is built on the host and copied to the device (pinned,
+non-blocking: about 100 bytes a parameter) unless an identical one was sent before (below), so a
+launch is not CUDA-graph capturable; every tensor must be on the launch's device and stay alive
+until the kernel ran, which holds because the op's caller holds them and kernels on one stream run
+in order; the kernel cannot check the pointers, so the host wrapper checks devices and sizes first.
+
+[Note: the table is cached on the device]
+Sending the table (a host tensor, a pinned staging buffer, a copy) is host time the GPU waits for
+when the copy itself is short. Measured on an H200 (torch 2.11, Triton 3.6) for the all-gather
+copy-in of one Llama-3-8B block's shards at world 8 (27 M elements): the kernel alone 45 us a call
+back to back (3.6 TB/s, a plain copy's rate); the whole op 231 us with a table sent per call and
+172 us with this cache (timed with a sync around one call; host time per call 220 -> 141 us). The
+table's contents are the key: a call whose table equals one sent before (same plan, same data
+pointers -- the steady state of a training loop, where parameters stay put and the caching allocator
+hands the same buffers back) reuses that device tensor; a hit is exact by construction. The cache is
+bounded (`_TABLE_CACHE`, least recently used out) and per device.
 
 [Note: exact bf16 rounding] Every value written as bf16 from another dtype is rounded to
 nearest-even with integer bit arithmetic (add 0x7FFF plus the kept lowest bit, drop 16 bits; NaNs
@@ -37,6 +48,8 @@ scale) is copied bit for bit, without going through fp32.
 """
 
 from __future__ import annotations
+
+import collections
 
 import torch
 import triton
@@ -66,6 +79,8 @@ _COLUMNS = (
     "dst_limit",
 )
 _FIELDS = len(_COLUMNS)
+_TABLE_CACHE = 512  # device tables kept (a few per bucket and op: ~100 bytes a parameter each)
+_tables: collections.OrderedDict[tuple[str, tuple[int, ...]], tuple[torch.Tensor, int]] = collections.OrderedDict()
 
 
 def supports(device: torch.device) -> str | None:
@@ -198,6 +213,23 @@ def _alignment(values: list[int]) -> int:
     return 8 if aligned and all(row[c] % 8 == 0 for row in rows for c in sizes) else 1
 
 
+def _device_table(values: list[int], device: torch.device) -> tuple[torch.Tensor, int]:
+    """The table `values` as an int64 tensor on `device` and its `_alignment`: from the cache when this
+    exact table was sent before (see [Note: the table is cached on the device])."""
+    key = (str(device), tuple(values))
+    hit = _tables.get(key)
+    if hit is not None:
+        _tables.move_to_end(key)
+        return hit
+    table = torch.tensor(values, dtype=torch.int64)
+    if device.type != "cpu":
+        table = table.pin_memory().to(device, non_blocking=True)
+    _tables[key] = entry = (table, _alignment(values))
+    if len(_tables) > _TABLE_CACHE:
+        _tables.popitem(last=False)
+    return entry
+
+
 def launch_bucket(
     plan: launch.LaunchPlan, srcs: list[torch.Tensor], dsts: list[torch.Tensor], *, scale: float = 1.0
 ) -> None:
@@ -216,10 +248,7 @@ def launch_bucket(
         if seg.src_limit > src.numel() or seg.dst_limit > dst.numel():
             raise ValueError(f"a segment reads {seg.src_limit} / writes {seg.dst_limit} elements of tensors of "
                              f"{src.numel()} / {dst.numel()}")  # fmt: skip
-    values = _table(plan, srcs, dsts)
-    table = torch.tensor(values, dtype=torch.int64)
-    if device.type != "cpu":
-        table = table.pin_memory().to(device, non_blocking=True)
+    table, align = _device_table(_table(plan, srcs, dsts), device)
     _bucket_copy_kernel[plan.grid](
         table,
         float(scale),
@@ -229,7 +258,7 @@ def launch_bucket(
         HEADER=_HEADER,
         FIELDS=_FIELDS,
         BLOCK=plan.block,
-        ALIGN=_alignment(values),
+        ALIGN=align,
     )
 
 

@@ -253,6 +253,32 @@ def test_triton_matches_reference(triton_device, bucket, scale):
     assert all(len(plan.segments) == len(shapes) for plan in buckets_launched)
 
 
+def test_triton_table_cache_reuses_only_identical_tables(triton_device):
+    """A repeated copy between the same tensors reuses its device table (the table holds pointers, so
+    new values at the same addresses are still read); another destination gets a table of its own."""
+    from simplefsdp.kernels import triton_copy
+
+    device, _ = triton_device
+    world, rank, shapes = 2, 1, [(5, 3), (4,), (7, 2)]
+    chunks = _chunks(shapes, world)
+    shards = [_shard(f, world, rank).to(device) for f in _params(shapes, torch.float32, 0)]
+    out = torch.empty(sum(chunks), dtype=torch.bfloat16, device=device)
+
+    def check(dst):
+        triton_copy.pack([t.view(-1) for t in shards], chunks, dst, rows=1)
+        want = reference.all_gather_copy_in([t.cpu() for t in shards], chunks, torch.bfloat16, world, rank)
+        assert torch.equal(dst.cpu(), _slot(want, world, rank))
+
+    check(out)
+    sent = len(triton_copy._tables)
+    for t in shards:
+        t.mul_(-3.0)  # same addresses, new values
+    check(out)
+    assert len(triton_copy._tables) == sent, "an identical table was sent again"
+    check(torch.empty_like(out))
+    assert len(triton_copy._tables) == sent + 1, "a new destination must get a table of its own"
+
+
 @settings(max_examples=25, deadline=None)
 @given(bucket=buckets(), programs=st.integers(1, 4), block=st.sampled_from([8, 16, 1024]))
 def test_triton_grid_stride_loop_covers_every_tile(triton_device, bucket, programs, block):
