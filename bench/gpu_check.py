@@ -3,6 +3,9 @@
     python bench/gpu_check.py          # one CUDA GPU, under 8 minutes (the budget it is built for)
     python bench/gpu_check.py --cpu    # the same code path at tiny shapes on the CPU (the test suite runs it)
 
+Rows print as they are measured (a run cut short keeps what it had); `--tests-log FILE` keeps the gpu
+tests' whole output, `--tests-timeout S` bounds them; a failing step row's traceback goes to stderr.
+
 Prints one table:
 
 1. `python -m pytest -m gpu tests/gpu` in a subprocess: its summary line (every CUDA path; without
@@ -16,9 +19,9 @@ Prints one table:
    so its k / v projections are 4096 x 4096, not 1024 x 4096), bf16
    parameters / fp32 reduction, batch 1 x 2048, on torch's fake process group at world 8 (one GPU
    plays rank 0; no data moves, so no communication is timed: the rows compare what a compiler can
-   win -- copies, casts, fusion, memory): median step time and `torch.cuda.max_memory_allocated`
-   for simplefsdp compiled with its passes, FSDP2 eager, FSDP2 with each block compiled, and
-   simplefsdp's front end with torch's overlap scheduler
+   win -- copies, casts, fusion, memory): median step time, `torch.cuda.max_memory_allocated` and the
+   first step's seconds (it compiles) for simplefsdp compiled with its passes and without them,
+   FSDP2 eager, FSDP2 with each block compiled, and simplefsdp's front end with torch's overlap scheduler
    (`aten_distributed_optimizations.enable_overlap_scheduling`) instead of its passes. A row that
    fails says so with the error's first line (the overlap scheduler cannot run on a CPU).
 """
@@ -61,13 +64,17 @@ VOCAB = 128_256
 WORLD = 8
 
 
-def gpu_tests(*, timeout: float) -> str:
-    """The summary line of `pytest -m gpu tests/gpu`, e.g. "7 passed in 95.1s"."""
-    command = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", "tests/gpu"]
+def gpu_tests(*, timeout: float, log: Path | None = None) -> str:
+    """The summary line of `pytest -m gpu tests/gpu`, e.g. "7 passed in 95.1s"; the whole output to `log`."""
+    command = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-rA", "-p", "no:cacheprovider", "tests/gpu"]
     try:
         done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=timeout, check=False)
-    except subprocess.TimeoutExpired:
+    except subprocess.TimeoutExpired as e:
+        if log is not None:
+            log.write_text(str(e.stdout or "") + str(e.stderr or ""))
         return f"timed out after {timeout:.0f} s"
+    if log is not None:
+        log.write_text(done.stdout + done.stderr)
     lines = [
         line.strip("= ") for line in done.stdout.splitlines() if re.search(r"\d+ (passed|failed|skipped|error)", line)
     ]
@@ -124,6 +131,7 @@ def _fsdp2(model, mesh, *, compile_blocks: bool):
 
 CONFIGS = {
     "simplefsdp compiled, our passes": (lambda m, mesh: _ours(m, mesh, passes=True), contextlib.nullcontext),
+    "simplefsdp compiled, no passes": (lambda m, mesh: _ours(m, mesh, passes=False), contextlib.nullcontext),
     "FSDP2 eager": (lambda m, mesh: _fsdp2(m, mesh, compile_blocks=False), contextlib.nullcontext),
     "FSDP2 + compile per block": (lambda m, mesh: _fsdp2(m, mesh, compile_blocks=True), contextlib.nullcontext),
     "simplefsdp front end, torch's overlap scheduler": (
@@ -134,7 +142,10 @@ CONFIGS = {
 
 
 def step_row(name: str, *, cpu: bool, steps: int) -> tuple[str, str, str]:
-    """Median step time and peak memory of one configuration, or the error's first line."""
+    """Median step time, peak memory and first-step (compile) time of one configuration, or the error's first line.
+
+    A failure's whole traceback goes to stderr; the row keeps its first line.
+    """
     device = "cpu" if cpu else "cuda"
     build, config = CONFIGS[name]
     args = _model_args(cpu)
@@ -160,8 +171,10 @@ def step_row(name: str, *, cpu: bool, steps: int) -> tuple[str, str, str]:
                     torch.cuda.synchronize()
                 times.append(time.perf_counter() - begin)
         memory = "-" if cpu else f"{torch.cuda.max_memory_allocated() / 2**30:.2f} GiB"
-        return name, f"{statistics.median(times[2:]) * 1e3:.1f} ms / step, peak {memory}", "-"
+        median = statistics.median(times[2:]) * 1e3
+        return name, f"{median:.1f} ms / step, peak {memory}, first step {times[0]:.1f} s", "-"
     except Exception as e:  # a failing row is reported, the others still run
+        traceback.print_exc(file=sys.stderr)
         first = (traceback.format_exception_only(e)[-1].strip().splitlines() or ["?"])[0]
         return name, f"failed: {first[:160]}", "-"
     finally:
@@ -176,6 +189,10 @@ def main() -> int:
     )
     parser.add_argument("--iters", type=int, default=None, help="timed calls per kernel (default 30; 3 with --cpu)")
     parser.add_argument("--steps", type=int, default=None, help="timed training steps (default 5; 1 with --cpu)")
+    parser.add_argument(
+        "--tests-timeout", type=float, default=None, help="seconds for the gpu tests (default 240; 60 with --cpu)"
+    )
+    parser.add_argument("--tests-log", type=Path, default=None, help="write the gpu tests' whole output here")
     args = parser.parse_args()
     if not args.cpu and not torch.cuda.is_available():
         print(
@@ -183,17 +200,23 @@ def main() -> int:
         )
         return 0
     begin = time.perf_counter()
-    rows = [("gpu tests (pytest -m gpu tests/gpu)", gpu_tests(timeout=60 if args.cpu else 240), "all passed")]
-    rows += kernel_rows(cpu=args.cpu, iters=args.iters or (3 if args.cpu else 30))
+    where = "CPU (--cpu: tiny shapes, nothing measured)" if args.cpu else torch.cuda.get_device_name()
+    print(f"{where}; torch {torch.__version__}")
+    print("| check | result | target |\n|---|---|---|", flush=True)
+
+    def emit(*rows: tuple[str, str, str]) -> None:  # row by row: a run cut short keeps what it measured
+        print("\n".join(f"| {a} | {b} | {c} |" for a, b, c in rows), flush=True)
+
+    tests_timeout = args.tests_timeout or (60 if args.cpu else 240)
+    emit(("gpu tests (pytest -m gpu tests/gpu)", gpu_tests(timeout=tests_timeout, log=args.tests_log), "all passed"))
+    emit(*kernel_rows(cpu=args.cpu, iters=args.iters or (3 if args.cpu else 30)))
     init_fake_process_group(rank=0, world_size=WORLD)
     try:
-        rows += [step_row(name, cpu=args.cpu, steps=args.steps or (1 if args.cpu else 5)) for name in CONFIGS]
+        for name in CONFIGS:
+            emit(step_row(name, cpu=args.cpu, steps=args.steps or (1 if args.cpu else 5)))
     finally:
         dist.destroy_process_group()
-    where = "CPU (--cpu: tiny shapes, nothing measured)" if args.cpu else torch.cuda.get_device_name()
-    print(f"{where}; torch {torch.__version__}; {time.perf_counter() - begin:.0f} s")
-    print("| check | result | target |\n|---|---|---|")
-    print("\n".join(f"| {a} | {b} | {c} |" for a, b, c in rows))
+    print(f"{time.perf_counter() - begin:.0f} s in all")
     return 0
 
 

@@ -34,7 +34,12 @@ def test_gpu_check_cpu_path_prints_every_row():
     ]
     assert len(kernels) == 6
     assert all("GB/s" in line and "x FSDP2 eager" in line for line in kernels)
-    for name in ("simplefsdp compiled, our passes", "FSDP2 eager", "FSDP2 + compile per block"):
+    for name in (
+        "simplefsdp compiled, our passes",
+        "simplefsdp compiled, no passes",
+        "FSDP2 eager",
+        "FSDP2 + compile per block",
+    ):
         assert "ms / step" in rows[name], rows[name]
     overlap = rows["simplefsdp front end, torch's overlap scheduler"]
     assert "0 active drivers" in overlap or torch.cuda.is_available(), overlap
