@@ -51,7 +51,7 @@ def test_foreign_model_buckets_and_schedule(factory, blocks, mp_policy):
     assert [row.modules for row in forward if len(row.modules) == 1 and row.modules[0] in blocks] == [
         (block,) for block in blocks
     ], "one all-gather per repeated block, in order"
-    assert len(forward) == len(blocks) + 1, "plus one for the rest"
+    assert len(forward) == len(blocks) + 2, "plus the rest: a run before the blocks, one after"
     assert sum(len(row.parameters) for row in forward) == n_params, "every parameter gathered once"
     reductions = [row for row in report.buckets if row.collective == "reduce_scatter"]
     assert sum(len(row.parameters) for row in reductions) == n_params

@@ -55,13 +55,15 @@ L8 = TransformerArgs(vocab_size=67, dim=32, n_layers=8, n_heads=4, ffn_dim=88, m
 @pytest.mark.slow  # test_overlap.py checks the same plan through inductor, in the fast tier
 @pytest.mark.parametrize("world", [8])
 def test_default_block_plan_one_bucket_per_block_plus_rest(fake_world8, world):
-    """L = 8 blocks: L + 1 all-gathers forward, L + 1 re-gathers and L + 1 reduce-scatters backward."""
+    """L = 8 blocks and the rest in two runs (the embedding before the blocks, norm + output after):
+    L + 2 all-gathers forward, L + 1 re-gathers backward (the embedding's gradient needs no weight)
+    and L + 2 reduce-scatters."""
     blocks = tuple(find_repeated_blocks(Transformer(L8)))
     forward, backward = _bucketed_graphs("FULL_SHARD", BucketConfig(blocks=blocks), L8, backend=AOT_EAGER)
     fwd, bwd = collective_counts(forward), collective_counts(backward)
-    assert fwd["all_gather"] == L8.n_layers + 1
+    assert fwd["all_gather"] == L8.n_layers + 2
     assert bwd["all_gather"] == L8.n_layers + 1
-    assert bwd["reduce_scatter"] == L8.n_layers + 1
+    assert bwd["reduce_scatter"] == L8.n_layers + 2
 
 
 @pytest.mark.slow
@@ -223,7 +225,7 @@ def test_prefetch_depth_and_memory_budget(fake_world8):
     waits every reduce-scatter before the next one launches."""
     from simplefsdp.passes.collectives import is_all_gather, is_reduce_scatter
 
-    n = L8.n_layers + 1
+    n = L8.n_layers + 2  # gathers forward, reductions backward: the blocks and the rest's two runs
     (forward, _), _ = _reordered_graphs(fake_world8, ReorderConfig(prefetch_depth=2))
     assert _launch_wait_order(forward, is_all_gather)[:4] == ["L0", "L1", "L2", "W"]
     (forward, backward), _ = _reordered_graphs(fake_world8, ReorderConfig(max_in_flight_bytes=1))
