@@ -89,6 +89,18 @@ def test_layers_prefix_does_not_capture_longer_indices():
     assert [b.members for b in plan_by_blocks(cands, blocks=["layers.1", "layers.10"])] == [(0,), (1,)]
 
 
+def test_block_plan_buckets_the_rest_by_runs_between_blocks():
+    """The parameters outside the blocks: one bucket per run between blocks in graph order
+    ([Note: the rest, by runs]) -- the embedding alone before the blocks, norm + output after them."""
+    cands = _cands(OWNERS)
+    plan = plan_by_blocks(cands, blocks=["layers.0", "layers.1", "layers.10"])
+    assert [b.members for b in plan] == [(0,), (1, 2), (3, 4), (5,), (6, 7)]
+    interleaved = _cands(["pos.weight", "layers.0.wq.weight", "mid.weight", "layers.1.wq.weight", "head.weight"])
+    plan = plan_by_blocks(interleaved, blocks=["layers.0", "layers.1"])
+    assert [b.members for b in plan] == [(0,), (1,), (2,), (3,), (4,)]
+    assert [b.members for b in plan_by_blocks(cands, blocks=[])] == [tuple(range(len(OWNERS)))], "no blocks: one run"
+
+
 def test_patterns_bucket_per_block_and_join_alternatives():
     cands = _cands(OWNERS)
     plan = plan_by_patterns(cands, patterns=["tok_embeddings", "layers.*", "norm+output"])
