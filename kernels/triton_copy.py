@@ -36,7 +36,7 @@ sent per call and 172 us with this cache (timed with a sync around one call; hos
 table's contents are the key: a call whose table equals one sent before (same plan, same data
 pointers -- the steady state of a training loop, where parameters stay put and the caching allocator
 hands the same buffers back) reuses that device tensor; a hit is exact by construction. The cache is
-bounded (`_TABLE_CACHE`, least recently used out) and per device.
+bounded (`_TABLE_CACHE`, least recently used out) and per device and stream.
 
 [Note: exact bf16 rounding] Every value written as bf16 from another dtype is rounded to
 nearest-even with integer bit arithmetic (add 0x7FFF plus the kept lowest bit, drop 16 bits; NaNs
@@ -81,7 +81,7 @@ _COLUMNS = (
 )
 _FIELDS = len(_COLUMNS)
 _TABLE_CACHE = 512  # device tables kept (a few per bucket and op: ~100 bytes a parameter each)
-_tables: collections.OrderedDict[tuple[str, tuple[int, ...]], tuple[torch.Tensor, int]] = collections.OrderedDict()
+_tables: collections.OrderedDict[tuple[str, int, tuple[int, ...]], tuple[torch.Tensor, int]] = collections.OrderedDict()
 
 
 def supports(device: torch.device) -> str | None:
@@ -217,7 +217,10 @@ def _alignment(values: list[int]) -> int:
 def _device_table(values: list[int], device: torch.device) -> tuple[torch.Tensor, int]:
     """The table `values` as an int64 tensor on `device` and its `_alignment`: from the cache when this
     exact table was sent before (see [Note: the table is cached on the device])."""
-    key = (str(device), tuple(values))
+    # the stream too: a table is copied and first read on one stream, so another stream never reads
+    # it before its copy lands, nor does the allocator hand its memory out while that stream uses it
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    key = (str(device), stream, tuple(values))
     hit = _tables.get(key)
     if hit is not None:
         _tables.move_to_end(key)
