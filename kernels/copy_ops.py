@@ -1,4 +1,4 @@
-"""The three bucket copy ops as `torch.library` custom ops: `torch.ops.simplefsdp.<name>`.
+"""The three bucket copy ops as `torch.library` operators: `torch.ops.simplefsdp.<name>`.
 
 Semantics: `reference.py`. Each op has a Triton implementation (one kernel launch per bucket,
 `triton_copy.py`; [Note: kernel selection] says where it runs), a torch-ops implementation (the
@@ -30,11 +30,11 @@ import itertools
 import logging
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
-from simplefsdp._compat import chunk_cat, foreach_copy_
+from simplefsdp._compat import OpOverload, chunk_cat, foreach_copy_
 from simplefsdp.kernels import reference
 
 __all__ = [
@@ -59,7 +59,19 @@ _log = logging.getLogger(__name__)
 # the device whenever that exact table was not sent before (`triton_copy.py`). A CUDA graph would
 # capture one call's table and replay it with stale addresses, so the ops are tagged `cudagraph_unsafe`: under
 # `torch.compile(mode="reduce-overhead")` inductor leaves them (and runs the rest in CUDA graphs).
-_TAGS = (torch.Tag.cudagraph_unsafe,)
+_TAGS = (torch.Tag.cudagraph_unsafe, torch.Tag.pt2_compliant_tag)
+
+# [Note: registered on the library, not with custom_op]
+# `torch.library.custom_op` would register these ops in one decorator, but every call then passes a
+# Python autograd kernel and a redispatch before the implementation runs: measured on the 2-core
+# development host (one thread, a 9-tensor bucket, fastest of 7 rounds), 25-95 us more per call
+# than the same function registered below, as much as the copy itself for small buckets -- and a
+# compiled step calls these ops two or three times per bucket. They only ever run inside compiled
+# graphs, on tensors that need no gradient, so they are defined on a `torch.library.Library` with one
+# `CompositeExplicitAutograd` kernel (every device; the device choice is [Note: kernel selection])
+# and a fake kernel, and no autograd formula: called on an input that requires grad while grad mode
+# is on, they raise (`_check_tensors`) rather than record a backward through their insides.
+_LIB = torch.library.Library("simplefsdp", "DEF")  # the ops live as long as this module holds it
 
 
 def _use_triton(t: torch.Tensor) -> bool:
@@ -97,8 +109,12 @@ def _check_dtype(what: str, dtype: torch.dtype) -> None:
 
 
 def _check_tensors(what: str, tensors: Sequence[torch.Tensor]) -> None:
+    """Dtypes supported, and no gradient to record ([Note: registered on the library, not with custom_op])."""
+    grad = torch.is_grad_enabled()
     for i, t in enumerate(tensors):
         _check_dtype(f"{what}[{i}]", t.dtype)
+        if grad and t.requires_grad:
+            raise ValueError(f"{what}[{i}] requires grad: the copy ops have no derivative; call them under no_grad")
 
 
 # [Note: any input layout]
@@ -170,11 +186,19 @@ def _cpu_reduce_scatter_copy_in(
     return out.view(-1)
 
 
+def _register(schema: str, impl: Callable, fake: Callable) -> OpOverload:
+    """Define `simplefsdp::<schema>` with `impl` for every device and `fake` for tracing; its overload."""
+    name = schema.split("(", 1)[0]
+    _LIB.define(schema, tags=_TAGS)
+    _LIB.impl(name, impl, "CompositeExplicitAutograd")
+    torch.library.register_fake(f"simplefsdp::{name}", fake, lib=_LIB)
+    return getattr(torch.ops.simplefsdp, name).default
+
+
 # --- all-gather copy-in -------------------------------------------------------------------------
 
 
-@torch.library.custom_op("simplefsdp::all_gather_copy_in", mutates_args=(), tags=_TAGS)
-def all_gather_copy_in(
+def _all_gather_copy_in(
     shards: list[torch.Tensor], chunks: list[int], dtype: torch.dtype, world: int, rank: int
 ) -> torch.Tensor:
     """The `[world * bucket]` all-gather buffer with rank `rank`'s slot holding this rank's shards
@@ -200,17 +224,22 @@ def all_gather_copy_in(
     return out
 
 
-@all_gather_copy_in.register_fake
 def _all_gather_copy_in_fake(shards, chunks, dtype, world, rank):
     device = shards[0].device if shards else torch.device("cpu")
     return torch.empty(world * sum(chunks), dtype=dtype, device=device)
 
 
+ALL_GATHER_COPY_IN = _register(
+    "all_gather_copy_in(Tensor[] shards, SymInt[] chunks, ScalarType dtype, SymInt world, SymInt rank) -> Tensor",
+    _all_gather_copy_in,
+    _all_gather_copy_in_fake,
+)
+
+
 # --- all-gather copy-out ------------------------------------------------------------------------
 
 
-@torch.library.custom_op("simplefsdp::all_gather_copy_out", mutates_args=(), tags=_TAGS)
-def all_gather_copy_out(
+def _all_gather_copy_out(
     gathered: torch.Tensor, chunks: list[int], sizes: list[int], ndims: list[int], world: int
 ) -> list[torch.Tensor]:
     """Each parameter's full value, padding stripped, in its shape (`split_shapes(sizes, ndims)`),
@@ -232,16 +261,21 @@ def all_gather_copy_out(
     return outs
 
 
-@all_gather_copy_out.register_fake
 def _all_gather_copy_out_fake(gathered, chunks, sizes, ndims, world):
     return [gathered.new_empty(shape) for shape in split_shapes(sizes, ndims)]
+
+
+ALL_GATHER_COPY_OUT = _register(
+    "all_gather_copy_out(Tensor gathered, SymInt[] chunks, SymInt[] sizes, SymInt[] ndims, SymInt world) -> Tensor[]",
+    _all_gather_copy_out,
+    _all_gather_copy_out_fake,
+)
 
 
 # --- reduce-scatter copy-in ---------------------------------------------------------------------
 
 
-@torch.library.custom_op("simplefsdp::reduce_scatter_copy_in", mutates_args=(), tags=_TAGS)
-def reduce_scatter_copy_in(grads: list[torch.Tensor], world: int, dtype: torch.dtype, scale: float) -> torch.Tensor:
+def _reduce_scatter_copy_in(grads: list[torch.Tensor], world: int, dtype: torch.dtype, scale: float) -> torch.Tensor:
     """The `[world * bucket]` reduce-scatter input: gradients cast (times `scale`), padded, rank chunks interleaved."""
     _check_tensors("grads", grads)
     _check_dtype("dtype", dtype)
@@ -257,23 +291,30 @@ def reduce_scatter_copy_in(grads: list[torch.Tensor], world: int, dtype: torch.d
     return out
 
 
-@reduce_scatter_copy_in.register_fake
 def _reduce_scatter_copy_in_fake(grads, world, dtype, scale):
     device = grads[0].device if grads else torch.device("cpu")
     return torch.empty(world * sum(reference.chunk_numel(g.shape, world) for g in grads), dtype=dtype, device=device)
 
 
-ALL_GATHER_COPY_IN = torch.ops.simplefsdp.all_gather_copy_in.default
-ALL_GATHER_COPY_OUT = torch.ops.simplefsdp.all_gather_copy_out.default
-REDUCE_SCATTER_COPY_IN = torch.ops.simplefsdp.reduce_scatter_copy_in.default
+REDUCE_SCATTER_COPY_IN = _register(
+    "reduce_scatter_copy_in(Tensor[] grads, SymInt world, ScalarType dtype, float scale) -> Tensor",
+    _reduce_scatter_copy_in,
+    _reduce_scatter_copy_in_fake,
+)
+
+# the ops to call: `torch.ops.simplefsdp.<name>` (the packets dispatch to their one overload)
+all_gather_copy_in = torch.ops.simplefsdp.all_gather_copy_in
+all_gather_copy_out = torch.ops.simplefsdp.all_gather_copy_out
+reduce_scatter_copy_in = torch.ops.simplefsdp.reduce_scatter_copy_in
 
 # [Note: the copy ops' output metadata, directly]
 # The graph pass adds hundreds of these ops to a deep model's graph and needs each one's output
-# metadata. Run through the dispatcher on fake tensors, each call passes the custom op's autograd
-# wrapper, a redispatch and the fake-tensor cache's key over a list of tensors before it reaches the
+# metadata. Run through the dispatcher on fake tensors, each call passes the autograd key, the fake
+# mode's dispatch and the fake-tensor cache's key over a list of tensors before it reaches the fake
 # function registered above -- more than half of the time the pass spent on these ops (profiled on a
-# 64-block backward graph). The pass calls the registered function itself, in the same fake mode
-# (the outputs are then the very tensors the dispatcher would have returned).
+# 64-block backward graph, when they were registered with `custom_op`). The pass calls the
+# registered function itself, in the same fake mode (the outputs are then the very tensors the
+# dispatcher would have returned).
 FAKE_IMPLS = {
     ALL_GATHER_COPY_IN: _all_gather_copy_in_fake,
     ALL_GATHER_COPY_OUT: _all_gather_copy_out_fake,

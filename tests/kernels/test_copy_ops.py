@@ -142,6 +142,11 @@ def test_bad_inputs_are_named():
         torch.ops.simplefsdp.all_gather_copy_in([x], [16, 1], torch.float32, 1, 0)
     with pytest.raises(ValueError, match=r"rank 2 is not in \[0, world = 2\)"):
         torch.ops.simplefsdp.all_gather_copy_in([x], [16], torch.float32, 2, 2)
+    leaf = torch.randn(4, 4, requires_grad=True)
+    with pytest.raises(ValueError, match=r"grads\[0\] requires grad: the copy ops have no derivative"):
+        torch.ops.simplefsdp.reduce_scatter_copy_in([leaf], 2, torch.float32, 1.0)
+    with torch.no_grad():  # no gradient recorded: the op runs
+        assert torch.ops.simplefsdp.reduce_scatter_copy_in([leaf], 2, torch.float32, 1.0).shape == (16,)
 
 
 def test_ops_trace_under_compile():
