@@ -322,7 +322,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tiny", action="store_true", help=f"a tiny model and 2 timed steps: {TINY}")
     parser.add_argument("--rows", default=None, help=f"comma-separated: {', '.join(CONFIGS)}, {FRONTIER}<fraction>")
     parser.add_argument(
-        "--frontier", default="0.05,0.2,0.5", help="memory budgets (fractions) of the auto-plan rows added by default"
+        "--frontier",
+        default="0.05,0.2,0.35,0.5",
+        help="memory budgets (fractions) of the auto-plan rows added by default",
     )
     parser.add_argument("--profile", default=None, help="a `simplefsdp calibrate` file (default: measure first)")
     parser.add_argument("--no-predict", action="store_true", help="skip simplefsdp's predictions (dry runs)")
