@@ -134,9 +134,16 @@ def _predicted(row: dict) -> str:
 def markdown(document: dict[str, Any]) -> str:
     rows = document["rows"]
     base = rows.get("fsdp2", next(iter(rows.values())))
-    lines = [
-        f"{document['setup']['summary']} ({document['setup']['date']})",
-        "",
+    lines = [f"{document['setup']['summary']} ({document['setup']['date']})", ""]
+    host = document["setup"].get("host_probe")
+    if host:  # [Note: the host's speed, twice] in scoreboard.py
+        lines += [
+            f"Host speed: a {host['matmul_n']}^3 matmul took {host['calibration_matmul_s'] * 1e3:.1f} ms while the "
+            f"profile was measured, {host['rows_matmul_s'] * 1e3:.1f} ms beside the rows' steps (median): the rows "
+            f"ran at {host['calibration_matmul_s'] / host['rows_matmul_s']:.2f}x the calibrated host's speed.",
+            "",
+        ]
+    lines += [
         "| configuration | step time (median) | tokens/s | vs FSDP2 eager | peak memory / rank | resident peak "
         "| compile | collectives / step | predicted step | predicted peak |",
         "|---|---|---|---|---|---|---|---|---|---|",

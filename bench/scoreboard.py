@@ -34,7 +34,9 @@ Measurements, per row:
   step (events named `gloo:*` / `nccl:*`): the same counter for eager hooks and compiled code;
 - peak memory per rank: see [Note: peak memory]; the table shows the largest over the ranks;
 - predicted step time and peak memory (simplefsdp's compiled rows with its own passes or none):
-  `simplefsdp.inspect.dry_run` of the same configuration with the profile, in the parent process.
+  `simplefsdp.inspect.dry_run` of the same configuration with the profile, in the parent process;
+- once per run, the host's speed: the calibration's matmul timed again, interleaved with the rows'
+  steps, against its time in the profile ([Note: the host's speed, twice]).
 
 [Note: peak memory]
 All rows live in one process (so their steps can be interleaved), so a process-wide high-water mark
@@ -266,6 +268,32 @@ def _profile(args: argparse.Namespace, device: torch.device) -> str:
     return path
 
 
+_HOST = "(host probe)"  # the interleaved matmul of [Note: the host's speed, twice]
+
+
+def _host_probe(profile: str, device: torch.device) -> tuple[dict, Callable[[], None]] | None:
+    """[Note: the host's speed, twice]
+    Predictions come from a profile measured before the rows are built, on a machine that may be
+    shared: when the host runs slower while it calibrates than while the rows are timed (or faster),
+    every prediction moves with it (two runs of the same code on 2026-12-04: 1 and 8 of 10 step
+    predictions within 15%). So the calibration's own matmul (`Measurements.matmul_n`, its dtype) is
+    timed again as one more entry of the interleaved timing, beside the rows' steps, and both times are
+    reported: a ratio far from 1 says the host, not the model, moved the predictions. Nothing is
+    corrected with it. None when the profile carries no measurements (a named or hand-written one)."""
+    measured = json.loads(Path(profile).read_text()).get("measured") if Path(profile).is_file() else None
+    if not measured:
+        return None
+    n, dtype = measured["matmul_n"], getattr(torch, measured["matmul_dtype"].removeprefix("torch."))
+    a = torch.randn(n, n, device=device, dtype=dtype)
+
+    def probe() -> None:
+        a @ a
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+
+    return {"matmul_n": n, "calibration_matmul_s": measured["matmul_s"]}, probe
+
+
 def _worker(rank: int, args: argparse.Namespace, results: dict) -> None:
     device = torch.device("cuda", rank) if args.backend == "nccl" else torch.device("cpu")
     profile = _profile(args, device)
@@ -275,7 +303,13 @@ def _worker(rank: int, args: argparse.Namespace, results: dict) -> None:
         rows[name].collectives = _count_collectives(rows[name].step)
         if rank == 0:
             print(f"  built {config_of(name).label}: first step {rows[name].first_step_s:.1f}s", flush=True)
-    times = interleaved_times({n: r.step for n, r in rows.items()}, warmup=args.warmup, timed=args.steps)
+    host = _host_probe(profile, device)
+    steps = {n: r.step for n, r in rows.items()} | ({_HOST: host[1]} if host else {})
+    times = interleaved_times(steps, warmup=args.warmup, timed=args.steps)
+    if host:  # the largest median over the ranks, as calibration keeps its matmul time
+        medians = [None] * dist.get_world_size()
+        dist.all_gather_object(medians, statistics.median(times.pop(_HOST)))
+        results["host"] = {**host[0], "rows_matmul_s": max(medians)}
     peaks = _memory(rows, device)
     all_peaks = [None] * dist.get_world_size()
     dist.all_gather_object(all_peaks, peaks)
@@ -352,6 +386,7 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     results = spawn(_worker, args, world=world, backend=args.backend)
     profile = results.pop("profile")
+    host = results.pop("host", None)
     rows = {}
     for name in args.rows:
         predicted = {} if args.no_predict else _predict(name, args, world, profile)
@@ -362,6 +397,7 @@ def main(argv: list[str] | None = None) -> int:
             **predicted,
         }
     setup["profile"] = profile
+    setup["host_probe"] = host
     document = {"setup": setup, "rows": rows, "targets": report.targets(rows)}
     (out / "scoreboard.json").write_text(json.dumps(document, indent=2) + "\n")
     table = report.markdown(document)

@@ -56,6 +56,11 @@ def test_scoreboard_runs_end_to_end(tmp_path):
     profile = json.loads(Path(document["setup"]["profile"]).read_text())  # measured by the ranks first
     assert profile["flops_per_s"] > 0, profile
     assert profile["collectives"], profile
+    # the calibration's matmul timed again beside the rows ([Note: the host's speed, twice])
+    host = document["setup"]["host_probe"]
+    assert host["matmul_n"] == profile["measured"]["matmul_n"]
+    assert host["calibration_matmul_s"] == profile["measured"]["matmul_s"]
+    assert host["rows_matmul_s"] > 0
     # the counter sees both eager hooks and compiled code: bucketing must show in it
     assert rows["ours"]["collectives_per_step"] < rows["no-passes"]["collectives_per_step"]
     assert rows["torch-passes"]["collectives_per_step"] < rows["no-passes"]["collectives_per_step"]
@@ -73,5 +78,6 @@ def test_scoreboard_runs_end_to_end(tmp_path):
     assert all(isinstance(t["met"], bool) and t["ratio"] >= 0 for t in document["targets"])
     table = (tmp_path / "scoreboard.md").read_text()
     assert all(f"| {row['label']} |" in table for row in rows.values())
+    assert f"Host speed: a {host['matmul_n']}^3 matmul took" in table
     assert table in done.stdout
     assert (tmp_path / "scoreboard.png").read_bytes().startswith(b"\x89PNG")
