@@ -131,6 +131,23 @@ def _predicted(row: dict) -> str:
     return f"{row['predicted_step_s'] * 1e3:.1f} ms | {_mib(row['predicted_peak_bytes'])}"
 
 
+def _drift_check(rows: dict, host: dict) -> str:
+    """How many step predictions land within the tolerance as made, and how many would once each is
+    scaled by the host's speed ratio (probe beside the rows / probe at calibration): a diagnostic that
+    tells a model error from a host that changed speed; the targets count the predictions as made."""
+    made = [(r["predicted_step_s"], r["step_time_s"]) for r in rows.values() if r.get("predicted_step_s") is not None]
+    if not made:
+        return ""
+    scale = host["rows_matmul_s"] / host["calibration_matmul_s"]
+    bound = PREDICTION_TOLERANCE["step"]
+    raw = sum(abs(p / m - 1.0) <= bound for p, m in made)
+    scaled = sum(abs(scale * p / m - 1.0) <= bound for p, m in made)
+    return (
+        f" Step predictions within +-{bound:.0%}: {raw} of {len(made)} as made; {scaled} of {len(made)} "
+        f"if each were scaled by that speed ({scale:.2f}x; a diagnostic, the targets count them as made)."
+    )
+
+
 def markdown(document: dict[str, Any]) -> str:
     rows = document["rows"]
     base = rows.get("fsdp2", next(iter(rows.values())))
@@ -140,7 +157,8 @@ def markdown(document: dict[str, Any]) -> str:
         lines += [
             f"Host speed: a {host['matmul_n']}^3 matmul took {host['calibration_matmul_s'] * 1e3:.1f} ms while the "
             f"profile was measured, {host['rows_matmul_s'] * 1e3:.1f} ms beside the rows' steps (median): the rows "
-            f"ran at {host['calibration_matmul_s'] / host['rows_matmul_s']:.2f}x the calibrated host's speed.",
+            f"ran at {host['calibration_matmul_s'] / host['rows_matmul_s']:.2f}x the calibrated host's speed."
+            + _drift_check(rows, host),
             "",
         ]
     lines += [

@@ -1,0 +1,42 @@
+"""bench/_scoreboard_report.py's host-drift line ([Note: the host's speed, twice] in bench/scoreboard.py):
+pure functions on hand-made rows, no run."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+import _scoreboard_report as report  # bench/ is not a package: its scripts import it the same way
+
+
+def _row(label: str, measured_s: float, predicted_s: float | None) -> dict:
+    return {
+        "label": label,
+        "strategy": "FULL_SHARD",
+        "step_time_s": measured_s,
+        "tokens_per_s": 1.0 / measured_s,
+        "peak_memory_bytes": 2**20,
+        "compile_s": 0.0,
+        "collectives_per_step": 1,
+        "predicted_step_s": predicted_s,
+        "predicted_peak_bytes": None if predicted_s is None else 2**20,
+    }
+
+
+def test_drift_line_counts_predictions_as_made_and_scaled_by_the_host():
+    # the host ran 1.25x slower beside the rows than while calibrating: 0.8x predictions miss as made
+    rows = {
+        "eager": _row("eager", 1.0, None),  # no prediction: not counted
+        "a": _row("a", 1.0, 0.80),  # -20% as made; 1.00 scaled
+        "b": _row("b", 1.0, 0.90),  # -10% as made; +12.5% scaled
+        "c": _row("c", 1.0, 1.00),  # exact as made; +25% scaled
+        "d": _row("d", 2.0, 1.64),  # -18% as made; +2.5% scaled
+    }
+    host = {"matmul_n": 64, "calibration_matmul_s": 0.004, "rows_matmul_s": 0.005}
+    line = report._drift_check(rows, host)
+    assert "2 of 4 as made; 3 of 4 if each were scaled by that speed (1.25x" in line, line
+    table = report.markdown({"setup": {"summary": "s", "date": "d", "host_probe": host}, "rows": rows, "targets": []})
+    assert line in table
+    # no prediction anywhere (e.g. --no-predict): no count
+    assert report._drift_check({"eager": rows["eager"]}, host) == ""
