@@ -64,7 +64,15 @@ seven are measured by `simplefsdp calibrate`; the named profiles leave them at z
   cost model charges `wake_s * (1 - exp(-idle / wake_tau_s)) + drift * compute` on top of
   alpha-beta, `idle` the time since the group's previous collective finished (unbounded for the
   first of a graph) and `compute` the compute since then (since the graph began for the first)
-  (`wake_seconds`).
+  (`wake_seconds`). A training step's stretches of compute between collectives run to tens of
+  milliseconds, so calibration times stretches out to 32 ms, and the drift's charge stops growing
+  at the longest stretch it measured (`drift_span_s`): a line is not extrapolated past its data.
+  Measured on a 2-core AMD EPYC host (2 gloo ranks, 2026-12-04): with stretches of at most 8 ms a
+  calibration fitted 0.30 s per s of compute (2.3 ms extra at 7.6 ms), while the same timing
+  carried out to 45 ms gave 1.3-2.4 ms extra at 11-45 ms, not the 3-14 ms the line says (the ranks'
+  scheduling jitter grows with a stretch up to a few time slices, then stays); with that profile
+  the scoreboard over-predicted 6 of its 10 simplefsdp rows by more than 15%. Timed out to 32 ms,
+  the next calibration saw the extra flat at 1.5-1.7 ms from 8 to 31 ms and fitted 0.004 s per s.
 - The optimizer step: `seconds per parameter tensor * tensors + seconds per element * elements`,
   per optimizer (`optimizer_seconds`). The per-tensor term is what dominates small models: an
   eager optimizer over DTensor shards pays the DTensor dispatch for every op on every parameter
@@ -174,6 +182,7 @@ class DeviceProfile:
     wake_s: float = 0.0  # extra latency of a collective after its group sat idle (saturated)
     wake_tau_s: float = 1e-3  # idle time at which the wake-up reaches 63% of `wake_s`
     drift: float = 0.0  # extra collective seconds per second of compute since the group's previous one
+    drift_span_s: float | None = None  # the drift's charge stops at this much compute (None: no bound)
     optimizers: tuple[tuple[str, float, float], ...] = ()  # (name, tensor_s, element_s) per optimizer
     staging: tuple[tuple[str, float], ...] = ()  # (kind, bytes staged per byte of the full buffer)
     launch: tuple[tuple[str, float, float], ...] = ()  # (kind, seconds, seconds per full-buffer byte)
@@ -195,6 +204,8 @@ class DeviceProfile:
             raise ValueError(f"device profile {self.name!r}: collectives must be one each of {COLLECTIVE_KINDS}")
         if not self.compute_scale > 0:
             raise ValueError(f"device profile {self.name!r}: compute_scale must be > 0: {self}")
+        if self.drift_span_s is not None and not self.drift_span_s > 0:
+            raise ValueError(f"device profile {self.name!r}: drift_span_s must be > 0 or None: {self}")
         if self.capacity_bytes is not None and not self.capacity_bytes > 0:
             raise ValueError(f"device profile {self.name!r}: capacity_bytes must be > 0 or None: {self}")
         step = (self.step_collective_s, self.step_exposed_wait_s)
@@ -299,7 +310,7 @@ def load_profile(path: str | Path) -> DeviceProfile:
         data = json.loads(path.read_text())
         nested = {*_NESTED, "staging"}
         fields = {f.name for f in dataclasses.fields(DeviceProfile)} - nested
-        optional = {"overlap", "wake_s", "wake_tau_s", "drift", "capacity_bytes"}
+        optional = {"overlap", "wake_s", "wake_tau_s", "drift", "drift_span_s", "capacity_bytes"}
         optional |= {"step_collective_s", "step_exposed_wait_s", "compute_scale"}
         missing = sorted(f for f in fields - optional if f not in data)
         if missing:
@@ -382,7 +393,10 @@ def wake_seconds(device: DeviceProfile, *, idle_s: float, compute_s: float) -> f
     (`math.inf`: the first of a graph), with `compute_s` of compute since then
     ([Note: what a training step adds])."""
     wake = device.wake_s * -math.expm1(-idle_s / device.wake_tau_s) if idle_s > 0.0 else 0.0
-    return wake + device.drift * max(0.0, compute_s)
+    stretch = max(0.0, compute_s)
+    if device.drift_span_s is not None:
+        stretch = min(stretch, device.drift_span_s)
+    return wake + device.drift * stretch
 
 
 def optimizer_seconds(device: DeviceProfile, *, optimizer: str, tensors: int, elements: int) -> float:

@@ -91,7 +91,8 @@ def _describe(profile: DeviceProfile) -> str:
         line(
             "after idle",
             f"+{profile.wake_s * 1e6:,.0f} us wake-up (tau {profile.wake_tau_s * 1e3:.2f} ms)"
-            f" + {profile.drift:.2f} s per s of compute",
+            f" + {profile.drift:.2f} s per s of compute"
+            + (f" (up to {profile.drift_span_s * 1e3:.1f} ms of it)" if profile.drift_span_s else ""),
         )
     )
     for kind, seconds, per_byte in profile.launch:

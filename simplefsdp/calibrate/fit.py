@@ -17,7 +17,8 @@ fitted to `extra = wake_s * (1 - exp(-idle / tau)) + drift * idle` ([Note: what 
 adds] in `passes/cost.py`): for each `tau` of a geometric grid from 0.1 ms to 100 ms the best
 `wake_s, drift >= 0` is a linear least squares (a term that would go negative is dropped and the
 other refitted alone), and the triple with the smallest squared error wins (deterministic; noise
-around zero fits no extra at all).
+around zero fits no extra at all). The longest idle stretch measured bounds the drift's charge
+(`DeviceProfile.drift_span_s`): the line is not extrapolated past its data.
 
 Launch: per kind, `seconds + bytes * seconds_per_byte` through the `(full buffer bytes, seconds)`
 points by `fit_launch` (relative error, both terms >= 0; times that do not grow fit a constant).
@@ -246,6 +247,7 @@ def profile_from(measured: Measurements, *, name: str) -> DeviceProfile:
         wake_s=wake_s,
         wake_tau_s=wake_tau_s,
         drift=drift,
+        drift_span_s=max((idle for idle, _ in measured.wake), default=None),
         optimizers=tuple((opt, *fit_optimizer(points)) for opt, points in sorted(measured.optimizers.items())),
         staging=tuple(sorted(measured.staging.items())),
         launch=tuple(

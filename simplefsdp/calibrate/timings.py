@@ -13,7 +13,7 @@ returns the same `Measurements` and the fitted profile does not depend on which 
   they are in flight), interleaved round by round ([Note: paired timings]) -> how much of the
   communication time really ran in parallel with compute (see `fit.overlap_share`);
 - wake-up: a small all-gather (the functional op and its wait, as compiled graphs issue it) issued
-  after a stretch of matmuls, for stretches from about 0.25 to 8 ms, against the same all-gather
+  after a stretch of matmuls, for stretches from about 0.25 to 32 ms, against the same all-gather
   back to back and the matmuls alone, interleaved -> the extra each costs after its group sat idle
   (`fit.fit_wake`; [Note: what a training step adds] in `passes/cost.py`);
 - launch: an asynchronous functional all-gather / reduce-scatter / all-reduce at each size, timed
@@ -104,8 +104,10 @@ class _Plan:
     matmul_n: int
     copy_bytes: int
     overlap_bytes: int  # full buffer of the all-gathers the overlap is measured with: about a bucket
-    wake_gaps_s: tuple[float, ...] = (0.25e-3, 0.5e-3, 1e-3, 2e-3, 4e-3, 8e-3)  # compute before each all-gather
-    wake_rounds: int = 20  # (compute, all-gather) rounds per timing
+    # compute before each all-gather: out to the stretches a training step's collectives see
+    # between them, where the extra stops growing ([Note: what a training step adds] in passes/cost.py)
+    wake_gaps_s: tuple[float, ...] = (0.25e-3, 0.5e-3, 1e-3, 2e-3, 4e-3, 8e-3, 16e-3, 32e-3)
+    wake_rounds: int = 20  # (compute, all-gather) rounds per timing, fewer for the long stretches
     optimizer_shapes: tuple[tuple[int, int], ...] = ((64, 4096), (4, 1 << 20))  # (tensors, elements each)
     paired_repeats: int = 25  # rounds of the overlap and wake-up timings ([Note: paired timings])
 
@@ -313,6 +315,7 @@ def _copy_calls(device: torch.device, plan: _Plan) -> dict[str, list[tuple[int, 
 
 
 _WAKE_BYTES = 64 * KIB  # full buffer of the all-gather the wake-up is measured with
+_WAKE_ROUNDS_S = 0.16  # compute per timing beyond which a stretch gets fewer rounds (at least 3)
 _WAKE_N = 256  # the matmul the idle stretches are made of (about half a millisecond on one CPU core)
 
 
@@ -323,29 +326,29 @@ def _wake(device: torch.device, plan: _Plan) -> list[tuple[float, float]]:
     (one,) = _agree([_median_s(lambda: a @ a, device, plan.repeats)], device)
     world = dist.get_world_size()
     piece = torch.ones(_WAKE_BYTES // 4 // world, device=device)
-    rounds = plan.wake_rounds
     group = dist.group.WORLD.group_name
 
     def gather() -> None:  # as a compiled graph issues it: the functional op, then its wait
         c10d_functional.wait_tensor(c10d_functional.all_gather_into_tensor(piece, world, group))
 
-    def back_to_back() -> None:
-        for _ in range(rounds):
-            gather()
-
     points = []
     for gap in plan.wake_gaps_s:
         loops = max(1, round(gap / max(one, 1e-7)))
+        rounds = min(plan.wake_rounds, max(3, round(_WAKE_ROUNDS_S / gap)))
+
+        def back_to_back(rounds: int = rounds) -> None:
+            for _ in range(rounds):
+                gather()
 
         def compute(loops: int = loops) -> None:
             for _ in range(loops):
                 a @ a
 
-        def alone() -> None:
+        def alone(rounds: int = rounds) -> None:
             for _ in range(rounds):
                 compute()
 
-        def both() -> None:
+        def both(rounds: int = rounds) -> None:
             for _ in range(rounds):
                 compute()
                 gather()

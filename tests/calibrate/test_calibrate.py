@@ -241,6 +241,9 @@ def test_a_profile_is_refused_when_a_kinds_times_do_not_grow():
     assert profile_from(fine, name="roofline").compute_scale == 1.0, "no compute probe: the roofline"
     probed = dataclasses.replace(fine, compute_probe=(0.004, 0.005))
     assert profile_from(probed, name="probed").compute_scale == pytest.approx(1.25)
+    assert profile_from(fine, name="no wake timing").drift_span_s is None, "nothing measured: no bound"
+    woken = dataclasses.replace(fine, wake=[(1e-3, 2e-4), (8e-3, 1.6e-3), (4e-3, 8e-4)])
+    assert profile_from(woken, name="woken").drift_span_s == 8e-3, "the longest stretch measured"
     with pytest.raises(ValueError, match=r"reduce_scatter: the times do not grow with the size.*busy"):
         profile_from(measured, name="flat")
 

@@ -115,6 +115,11 @@ def test_wake_seconds_saturate_and_drift_grows_with_compute():
     assert cost.wake_seconds(device, idle_s=math.inf, compute_s=0.0) == pytest.approx(3e-3)
     drifting = dataclasses.replace(device, drift=0.25)
     assert cost.wake_seconds(drifting, idle_s=math.inf, compute_s=8e-3) == pytest.approx(3e-3 + 2e-3)
+    assert cost.wake_seconds(drifting, idle_s=math.inf, compute_s=1.0) == pytest.approx(3e-3 + 0.25)
+    # the line is not extrapolated past the longest stretch calibration measured
+    spanned = dataclasses.replace(drifting, drift_span_s=4e-3)
+    assert cost.wake_seconds(spanned, idle_s=math.inf, compute_s=2e-3) == pytest.approx(3e-3 + 0.5e-3)
+    assert cost.wake_seconds(spanned, idle_s=math.inf, compute_s=1.0) == pytest.approx(3e-3 + 1e-3)
     assert cost.wake_seconds(H100, idle_s=math.inf, compute_s=1.0) == 0.0, "datasheet profiles charge none"
 
 
@@ -142,6 +147,7 @@ def test_profile_file_round_trips_the_step_terms(tmp_path):
         wake_s=1e-3,
         wake_tau_s=4e-3,
         drift=0.1,
+        drift_span_s=8e-3,
         staging=(("all_gather", 1.0),),
         optimizers=(("adamw", 1e-4, 2e-9), ("sgd", 5e-5, 1e-9)),
         launch=(("all_gather", 2e-4, 1e-11),),
@@ -154,6 +160,8 @@ def test_profile_file_round_trips_the_step_terms(tmp_path):
     assert cost.profile(str(tmp_path / "p.json")) == device
     with pytest.raises(ValueError, match=r"compute_scale must be > 0"):
         dataclasses.replace(H100, compute_scale=0.0)
+    with pytest.raises(ValueError, match=r"drift_span_s must be > 0 or None"):
+        dataclasses.replace(H100, drift_span_s=0.0)
     with pytest.raises(ValueError, match=r"copy_ops must be at most one each of .*\('pack', "):
         dataclasses.replace(H100, copy_ops=(("pack", 1e-5, 0.0),))
     with pytest.raises(ValueError, match=r"copy_ops must be .* seconds >= 0"):
