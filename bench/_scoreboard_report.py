@@ -131,7 +131,7 @@ def _predicted(row: dict) -> str:
     return f"{row['predicted_step_s'] * 1e3:.1f} ms | {_mib(row['predicted_peak_bytes'])}"
 
 
-def _drift_check(rows: dict, host: dict) -> str:
+def _host_speed_counts(rows: dict, host: dict) -> str:
     """How many step predictions land within the tolerance as made, and how many would once each is
     scaled by the host's speed ratio (probe beside the rows / probe at calibration): a diagnostic that
     tells a model error from a host that changed speed; the targets count the predictions as made."""
@@ -158,7 +158,7 @@ def markdown(document: dict[str, Any]) -> str:
             f"Host speed: a {host['matmul_n']}^3 matmul took {host['calibration_matmul_s'] * 1e3:.1f} ms while the "
             f"profile was measured, {host['rows_matmul_s'] * 1e3:.1f} ms beside the rows' steps (median): the rows "
             f"ran at {host['calibration_matmul_s'] / host['rows_matmul_s']:.2f}x the calibrated host's speed."
-            + _drift_check(rows, host),
+            + _host_speed_counts(rows, host),
             "",
         ]
     lines += [

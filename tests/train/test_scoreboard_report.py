@@ -1,4 +1,4 @@
-"""bench/_scoreboard_report.py's host-drift line ([Note: the host's speed, twice] in bench/scoreboard.py):
+"""bench/_scoreboard_report.py's host-speed line ([Note: the host's speed, twice] in bench/scoreboard.py):
 pure functions on hand-made rows, no run."""
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ def _row(label: str, measured_s: float, predicted_s: float | None) -> dict:
     }
 
 
-def test_drift_line_counts_predictions_as_made_and_scaled_by_the_host():
+def test_host_speed_line_counts_predictions_as_made_and_scaled_by_the_host():
     # the host ran 1.25x slower beside the rows than while calibrating: 0.8x predictions miss as made
     rows = {
         "eager": _row("eager", 1.0, None),  # no prediction: not counted
@@ -34,9 +34,9 @@ def test_drift_line_counts_predictions_as_made_and_scaled_by_the_host():
         "d": _row("d", 2.0, 1.64),  # -18% as made; +2.5% scaled
     }
     host = {"matmul_n": 64, "calibration_matmul_s": 0.004, "rows_matmul_s": 0.005}
-    line = report._drift_check(rows, host)
+    line = report._host_speed_counts(rows, host)
     assert "2 of 4 as made; 3 of 4 if each were scaled by that speed (1.25x" in line, line
     table = report.markdown({"setup": {"summary": "s", "date": "d", "host_probe": host}, "rows": rows, "targets": []})
     assert line in table
     # no prediction anywhere (e.g. --no-predict): no count
-    assert report._drift_check({"eager": rows["eager"]}, host) == ""
+    assert report._host_speed_counts({"eager": rows["eager"]}, host) == ""
