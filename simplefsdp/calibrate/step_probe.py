@@ -28,10 +28,11 @@ many collectives by up to 29% (budget 0.05: 142 collectives, +89 ms). The two sm
 differ by about 70 exposed waits at the same collectives. On the same host (2026-12-05) the five
 plans fitted 0.30 ms per collective and 0.17 ms per such wait, and that scoreboard run's predictions
 were all within 15% (budget 0.05: 1.01x); the first three of its plans alone fit 0.39 and 0.04 ms,
-which re-costed that row at 1.18x. The split matters most where ranks outnumber cores: on 4 gloo
-ranks over 2 cores two calibrations fitted 0.80 and 0.58 ms per wait right after a launch; one term
-per collective fitted to two plans had charged the default plan's overlapped collectives for the
-unbucketed plan's waits (2.0 ms each on 4 ranks: +21-25% on `inspect_validate`'s 4-rank rows).
+which re-costed that row at 1.18x (the next run: 0.16 and 0.25 ms, again all ten within 15%). The
+split matters most where ranks outnumber cores: on 4 gloo ranks over 2 cores two calibrations fitted
+0.80 and 0.58 ms per wait right after a launch; one term per collective fitted to two plans had
+charged the default plan's overlapped collectives for the unbucketed plan's waits (2.0 ms each on 4
+ranks: +21-25% on `inspect_validate`'s 4-rank rows).
 
 [Note: compute as compiled]
 Before the five plans, the same model is compiled without sharding (no collectives, no passes)
