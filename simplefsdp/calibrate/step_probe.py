@@ -28,10 +28,12 @@ Tried and withdrawn (2026-12-05): two more plans, buckets of about one feed-forw
 (`BucketConfig(plan="cap")`, 76 collectives) not reordered and reordered, about 70 exposed waits
 apart where the second and third plans are 16 apart. Fitted over five plans, two scoreboard runs put
 all 10 of their step predictions within 15% (0.16-0.30 ms per collective, 0.17-0.25 ms per such
-wait), against 7 of 10 in the last run with three. But the reordered small-bucket plan corrupted the
-heap on 2 gloo ranks ("malloc(): unaligned tcache chunk detected", SIGABRT or SIGSEGV) in 2 of 4
-runs of 300 steps of each probe model, where the default plan ran 4 such runs clean: a calibration
-must not run it until that is found and fixed.
+wait), against 7 of 10 in the last run with three. But the small-bucket plans corrupted the heap on
+2 gloo ranks ("malloc(): unaligned tcache chunk detected", SIGABRT; once SIGSEGV): over runs of 600
+steps, reordered in 5 of 6 and not reordered in 1 of 2, where the default plan and the plan without
+passes ran clean (2 of 2 each; the default also 4 runs of 300 steps). The fault is in bucketing with
+small `cap` buckets, not in reordering or gloo: a calibration must not run such a plan until it is
+found and fixed.
 
 [Note: compute as compiled]
 Before the three plans, the same model is compiled without sharding (no collectives, no passes)
