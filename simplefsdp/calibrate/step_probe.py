@@ -31,9 +31,9 @@ all 10 of their step predictions within 15% (0.16-0.30 ms per collective, 0.17-0
 wait), against 7 of 10 in the last run with three. But the small-bucket plans corrupted the heap on
 2 gloo ranks ("malloc(): unaligned tcache chunk detected", SIGABRT; once SIGSEGV): over runs of 600
 steps, reordered in 5 of 6 and not reordered in 1 of 2, where the default plan and the plan without
-passes ran clean (2 of 2 each; the default also 4 runs of 300 steps). The fault is in bucketing with
-small `cap` buckets, not in reordering or gloo: a calibration must not run such a plan until it is
-found and fixed.
+passes ran clean (2 of 2 each; the default also 4 runs of 300 steps). So the fault points at
+bucketing with small `cap` buckets, not at reordering alone or at gloo with plain collectives: a
+calibration must not run such a plan until it is found and fixed.
 
 [Note: compute as compiled]
 Before the three plans, the same model is compiled without sharding (no collectives, no passes)
