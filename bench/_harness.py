@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from simplefsdp import gloo
 from simplefsdp.calibrate.high_water import high_water_bytes
 from simplefsdp.cpu_memory import keep_freed_memory, return_freed_memory, trim_freed_memory
 from simplefsdp.inspect.live_bytes import state_bytes
@@ -131,6 +132,8 @@ def _rank(rank: int, world: int, store: str, backend: str, worker: Callable, arg
     else:
         torch.set_num_threads(max(1, (os.cpu_count() or world) // world))
         keep_freed_memory()  # every row alike: [Note: freed memory kept on the CPU] in simplefsdp/cpu_memory.py
+    # CPU rows: gloo with one worker thread ([Note: torch's two gloo workers race] in simplefsdp/gloo.py)
+    backend = gloo.backend() if backend == "gloo" else backend
     dist.init_process_group(backend, init_method=f"file://{store}", rank=rank, world_size=world)
     try:
         worker(rank, args, results)

@@ -93,6 +93,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 import simplefsdp
+from simplefsdp import gloo
 from simplefsdp._compat import functorch_config, inductor_config
 from simplefsdp.calibrate import measure, profile_from
 from simplefsdp.calibrate.high_water import tensor_high_water_bytes
@@ -234,10 +235,11 @@ def _make_row(row: str, args: argparse.Namespace, device: torch.device, profile:
 def _count_collectives(step: Callable[[], None]) -> int:
     """Process-group collective calls in one step (see the module docstring)."""
     backend = dist.get_backend()
+    prefix = "gloo" if gloo.is_gloo(backend) else backend  # a one-worker gloo group's events say "gloo:"
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         step()
     names = Counter(event.name for event in prof.events())
-    return sum(n for name, n in names.items() if name.startswith(f"{backend}:"))
+    return sum(n for name, n in names.items() if name.startswith(f"{prefix}:"))
 
 
 def _memory(rows: dict[str, Row], device: torch.device) -> dict[str, tuple[int, int]]:

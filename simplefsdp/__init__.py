@@ -4,6 +4,7 @@ model = simplefsdp.wrap(model, mesh)   # parameters become sharded DTensors
 model = torch.compile(model)           # all-gathers / reduce-scatters are traced into the graph
 """
 
+from simplefsdp import gloo
 from simplefsdp.accelerate_config import AccelerateSettings, from_accelerate
 from simplefsdp.accumulate import no_sync, reduce_pending
 from simplefsdp.activation_checkpoint import checkpoint_blocks
@@ -25,6 +26,7 @@ __all__ = [
     "ShardingStrategy",
     "checkpoint_blocks",
     "from_accelerate",
+    "gloo",
     "materialize",
     "no_sync",
     "reduce_pending",

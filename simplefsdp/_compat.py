@@ -184,6 +184,32 @@ all_gather_single = getattr(dist, "all_gather_single", dist.all_gather_into_tens
 reduce_scatter_single = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
 
 
+def gloo_with_one_worker(store, rank: int, size: int, timeout):
+    """A gloo backend whose collectives run on one worker thread (`simplefsdp/gloo.py` says why).
+
+    `init_process_group("gloo")` always builds a two-thread gloo backend; the worker-thread count is
+    only reachable through the backend's private options: `ProcessGroupGloo._Options` (`_devices`,
+    `_threads`, `_timeout`) and the `ProcessGroupGloo(store, rank, size, options)` constructor.
+    Checked on 2.13; added after the 2.11 review."""
+    options = dist.ProcessGroupGloo._Options()
+    options._devices = [dist.ProcessGroupGloo.create_default_device()]
+    options._threads = 1
+    options._timeout = timeout
+    return dist.ProcessGroupGloo(store, rank, size, options)
+
+
+def gloo_worker_threads(group) -> int | None:
+    """How many worker threads `group`'s CPU gloo backend runs collectives on (None: no gloo
+    backend there). `ProcessGroup._get_backend` and the options' `_threads`: checked on 2.13."""
+    try:
+        backend = group._get_backend(torch.device("cpu"))
+    except RuntimeError:  # no CPU backend in this group (e.g. NCCL alone)
+        return None
+    if not isinstance(backend, dist.ProcessGroupGloo):
+        return None
+    return int(backend.options._threads)
+
+
 def compile_front_half(gm: torch.fx.GraphModule, example_inputs, *, inner_compile):
     """Inductor's compile of `gm` up to, not including, code generation: inductor's decompositions,
     joint-graph passes and partitioner run, then `inner_compile(graph_module, example_inputs,
@@ -413,6 +439,8 @@ __all__ = [
     "flop_registry",
     "foreach_copy_",
     "functorch_config",
+    "gloo_with_one_worker",
+    "gloo_worker_threads",
     "inductor_config",
     "init_backend_registration",
     "init_fake_process_group",

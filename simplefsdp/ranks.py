@@ -48,6 +48,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from simplefsdp import gloo
 from simplefsdp._compat import set_torch_logs
 from simplefsdp.cpu_memory import keep_freed_memory
 
@@ -87,7 +88,7 @@ def _run(
     """`function(device)` inside a process group; `finished(result)` runs before the group is torn down."""
     device = _device(device_type, local_rank)
     init = {k: v for k, v in init.items() if v is not None}
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", **init)
+    dist.init_process_group("nccl" if device.type == "cuda" else gloo.backend(), **init)
     try:
         result = function(device)
         if finished is not None:

@@ -14,6 +14,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from simplefsdp import gloo
 from simplefsdp._compat import use_rank_aware_cache_keys
 from simplefsdp.accumulate import Accumulation, attach
 from simplefsdp.blocks import find_repeated_blocks, validate_patterns
@@ -95,6 +96,8 @@ def wrap(
     )
     warn_about_cached_references(model)
     warn_about_eager_modules(model)
+    for group in mesh.get_all_groups():
+        gloo.warn_if_racy(group)
     has_tied = _shard_parameters(model, params, settings)
     broadcast_replicated(model, mesh)
     _install_on_root(model, settings, passes=passes, has_tied=has_tied)

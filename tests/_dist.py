@@ -35,6 +35,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from simplefsdp import gloo
+
 __all__ = ["RankPool"]
 
 # Compiles inside spawned ranks: no extra compile worker pool per rank (2 cores for 2-4 ranks).
@@ -54,8 +56,8 @@ def _worker(rank: int, world_size: int, directory: str, tasks: mp.Queue, results
         faulthandler.register(signal.SIGUSR1, file=fault_log, all_threads=True)
     init_file = os.path.join(directory, "store")  # the file store creates it
     torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size, timeout=_COLLECTIVE_TIMEOUT
+    dist.init_process_group(  # one gloo worker thread: [Note: torch's two gloo workers race]
+        gloo.backend(), init_method=f"file://{init_file}", rank=rank, world_size=world_size, timeout=_COLLECTIVE_TIMEOUT
     )
     while (task := tasks.get()) is not None:
         fn, args, kwargs = task

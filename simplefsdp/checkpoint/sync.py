@@ -11,8 +11,10 @@ watches the ranks, so a survivor waits in the next collective. Two things bound 
   fails after that long, with the backend's own message (gloo: "Timed out waiting ... for recv");
 - at the start and end of every checkpoint save / load, `wait_for_all_ranks(timeout=)`. On gloo it
   is torch's `monitored_barrier`, whose error names the ranks that did not arrive; we re-raise it
-  as a `RankTimeoutError` saying what was being done. Other backends have no monitored barrier:
-  there the plain barrier is bounded by the group's own timeout.
+  as a `RankTimeoutError` saying what was being done. torch's monitored barrier accepts only the
+  backend named "gloo", so on simplefsdp's one-worker gloo (`simplefsdp/gloo.py`) it is a barrier
+  waited with the timeout (the error then names no rank). Other backends have no monitored
+  barrier: there the plain barrier is bounded by the group's own timeout.
 
 [Note: deciding together]
 One rank's view of a shared filesystem can differ from the others': a permission or I/O error on
@@ -31,6 +33,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from simplefsdp import gloo
 from simplefsdp.checkpoint.errors import RankTimeoutError
 
 __all__ = [
@@ -64,8 +67,11 @@ def wait_for_all_ranks(*, what: str, timeout: timedelta) -> None:
     if not is_distributed() or world_size() == 1:
         return
     try:
-        if dist.get_backend() == "gloo":
+        backend = dist.get_backend()
+        if backend == "gloo":
             dist.monitored_barrier(timeout=timeout, wait_all_ranks=True)
+        elif gloo.is_gloo(backend):  # torch's monitored_barrier accepts only the backend named "gloo"
+            dist.barrier(async_op=True).wait(timeout=timeout)
         else:
             dist.barrier()
     except RuntimeError as err:

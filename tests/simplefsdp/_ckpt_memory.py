@@ -32,7 +32,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import simplefsdp
-from simplefsdp import checkpoint
+from simplefsdp import checkpoint, gloo
 from simplefsdp.models import Transformer, TransformerArgs
 
 
@@ -91,7 +91,7 @@ def _peak_growth(out: list[int]) -> Iterator[None]:
 
 def _worker(rank: int, world: int, directory: str, config: Config, results) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{directory}/pg", rank=rank, world_size=world)
+    dist.init_process_group(gloo.backend(), init_method=f"file://{directory}/pg", rank=rank, world_size=world)
     with torch.device("meta"):
         model = Transformer(config.args)
     full = sum(p.numel() * p.element_size() for p in model.parameters())
