@@ -108,10 +108,12 @@ seven are measured by `simplefsdp calibrate`; the named profiles leave them at z
   `simplefsdp/inspect/schedule.py`; the same for the next term).
 - What is left per wait right after a launch: with more ranks than cores, each rank that blocks on
   a collective it has just issued must wait for every other rank to be scheduled, and that costs
-  milliseconds (4 gloo ranks on the 2 cores: 0.6-0.8 ms per such wait; 2 ranks: 0-0.01 ms --
-  two calibrations with 4 ranks, three with 2). The probe tells the two apart
-  (the same buckets with and without reordering), `step_exposed_wait_s` holds it, and the schedule
-  adds it to the stall of each wait with no compute since its launch (`step_exposed_wait_seconds`).
+  milliseconds (4 gloo ranks on the 2 cores: 0.6-0.8 ms per such wait, two calibrations; 2 ranks:
+  0.17 ms, with 0.30 ms per collective, 2026-12-05, gloo with two worker threads; with one,
+  `simplefsdp/gloo.py`: nothing per such wait and 0.61 ms per collective, the same day). The
+  probe tells the two apart (the same buckets with and without reordering, per block and small),
+  `step_exposed_wait_s` holds it, and the schedule adds it to the stall of each wait with no
+  compute since its launch (`step_exposed_wait_seconds`).
 """
 
 from __future__ import annotations

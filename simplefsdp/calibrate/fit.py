@@ -26,8 +26,8 @@ Copy-op calls: per op, `seconds + members * seconds_per_tensor` through the `(me
 seconds)` points, by the same `fit_launch`.
 
 Step probe ([Note: what a collective costs a step] in `step_probe.py`): `measured - predicted =
-outside + a * collectives + b * exposed waits` by least squares through the probe's steps (three
-plans: the exact solution), `a, b >= 0` (a term that would go negative is dropped and the other
+outside + a * collectives + b * exposed waits` by least squares through the probe's steps (five
+plans), `a, b >= 0` (a term that would go negative is dropped and the other
 refitted alone) -- what each collective, and each wait with no compute since its launch, costs a
 real compiled step beyond what the rest of the profile charges. Plans that cannot tell the two
 apart (two plans, or the exposed waits a fixed share of the collectives) charge it all per

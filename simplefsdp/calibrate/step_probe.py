@@ -7,39 +7,45 @@ collective that none of them sees alone. Measured on the 2-core development host
 the scoreboard's eight simplefsdp rows ran 24 ms + 0.41 ms per collective longer than the profile
 predicted (27 to 224 collectives a step, least squares); `bench/inspect_validate.py`'s model, half
 as deep, 0.34 ms per collective. So calibration ends by measuring it in situ: one small
-Llama-style model (`PROBE`, not the benchmarks' models), wrapped FULL_SHARD and compiled three
-times -- without passes (one collective per parameter use, each waited right after its launch),
-with the default per-block buckets not reordered (few collectives, each waited right after its
-launch) and with the default plan (the same buckets, run behind compute) -- each timed for whole
-steps (forward, loss, backward, AdamW step) and predicted by the schedule replay of
-`simplefsdp.inspect.schedule` on the graphs it compiled, with the profile fitted from every other
-timing. `fit.fit_step_probe` splits the error three ways: a part per collective
-(`step_collective_s`), a part per wait with no compute since its launch (`step_exposed_wait_s`:
-the second and third plans differ only there), and a part that grows with neither (time outside
-the compiled graphs, which grows with the model, not with the plan), left out: a plan cannot
-change it, and a different model would not share it. The split matters where ranks outnumber
-cores: on 4 gloo ranks over 2 cores two calibrations fitted 0.80 and 0.58 ms per wait right after
-a launch (and 0 and 1.74 ms per collective: the two terms trade from run to run), on 2 ranks
-0.15-0.39 ms per collective and 0-0.01 ms per such wait; one term per collective fitted to two
-plans had charged the default plan's overlapped collectives for the unbucketed plan's waits (2.0 ms
-each on 4 ranks: +21-25% on `inspect_validate`'s 4-rank rows).
+Llama-style model (`PROBE`, not the benchmarks' models), wrapped FULL_SHARD and compiled five
+times -- without passes (one collective per parameter use, each waited right after its launch);
+with the default per-block buckets, not reordered (few collectives, each waited right after its
+launch) and reordered (the default plan: the same buckets, run behind compute); and with small
+buckets of about one feed-forward matrix each (`_small_cap`: several times as many collectives),
+not reordered and reordered -- each timed for whole steps (forward, loss, backward, AdamW step) and
+predicted by the schedule replay of `simplefsdp.inspect.schedule` on the graphs it compiled, with the
+profile fitted from every other timing. `fit.fit_step_probe` splits the error three ways by least
+squares: a part per collective (`step_collective_s`), a part per wait with no compute since its
+launch (`step_exposed_wait_s`), and a part that grows with neither (time outside the compiled
+graphs, which grows with the model, not with the plan), left out: a plan cannot change it, and a
+different model would not share it.
 
-Tried and withdrawn (2026-12-05): two more plans, buckets of about one feed-forward matrix
-(`BucketConfig(plan="cap")`, 76 collectives) not reordered and reordered, about 70 exposed waits
-apart where the second and third plans are 16 apart. Fitted over five plans, two scoreboard runs put
-all 10 of their step predictions within 15% (0.16-0.30 ms per collective, 0.17-0.25 ms per such
-wait), against 7 of 10 in the last run with three. But the small-bucket plans corrupted the heap on
-2 gloo ranks ("malloc(): unaligned tcache chunk detected", SIGABRT; once SIGSEGV): over runs of 600
-steps, reordered in 5 of 6 and not reordered in 1 of 2, where the default plan and the plan without
-passes ran clean (2 of 2 each; the default also 4 runs of 300 steps). So the fault points at
-bucketing with small `cap` buckets, not at reordering alone or at gloo with plain collectives: a
-calibration must not run such a plan until it is found and fixed.
+Why five plans, not three: with only the first three, the per-wait term rested on the second and
+third plans alone, which differ by 16 exposed waits, so a few milliseconds of noise between two such
+timings moved it by tenths of a millisecond. One 2-rank calibration of the three fitted 0.49 ms per
+collective and 0.02 ms per such wait, and its scoreboard run over-predicted the bucketed rows with
+many collectives by up to 29% (budget 0.05: 142 collectives, +89 ms). The two small-bucket plans
+differ by about 70 exposed waits at the same collectives. On the same host (2026-12-05) the five
+plans fitted 0.30 ms per collective and 0.17 ms per such wait, and that scoreboard run's predictions
+were all within 15% (budget 0.05: 1.01x); the first three of its plans alone fit 0.39 and 0.04 ms,
+which re-costed that row at 1.18x (the next run: 0.16 and 0.25 ms, again all ten within 15%). The
+split matters most where ranks outnumber cores: on 4 gloo ranks over 2 cores two calibrations fitted
+0.80 and 0.58 ms per wait right after a launch; one term per collective fitted to two plans had
+charged the default plan's overlapped collectives for the unbucketed plan's waits (2.0 ms each on 4
+ranks: +21-25% on `inspect_validate`'s 4-rank rows).
+
+The small-bucket plans were withdrawn for a day (2026-12-05): on 2 gloo ranks they aborted a rank
+("malloc(): unaligned tcache chunk detected") in 6 of 8 runs of 600 steps. AddressSanitizer traced
+it to torch's gloo process group, not to the plans: its two worker threads race on a status string
+when two collectives finish at once, which many small collectives in flight make likely ([Note:
+torch's two gloo workers race] in `simplefsdp/gloo.py`). simplefsdp's CPU ranks now run gloo with
+one worker thread, and the five plans are back; the times above were taken with two workers.
 
 [Note: compute as compiled]
-Before the three plans, the same model is compiled without sharding (no collectives, no passes)
+Before the five plans, the same model is compiled without sharding (no collectives, no passes)
 and its forward and backward are timed against their roofline at the profile's matmul and copy
 rates: `fit.py` turns the pair into `DeviceProfile.compute_scale` ([Note: what a training step
-adds] in `passes/cost.py`), and the three plans are then predicted with it -- so the per-collective
+adds] in `passes/cost.py`), and the five plans are then predicted with it -- so the per-collective
 terms fitted from them are what is left once compute is charged what it really took.
 
 Invariant: the predictions are a pure function of the graphs and the profile, the same on every
@@ -69,11 +75,27 @@ __all__ = ["PROBE", "PROBE_QUICK", "ProbeCompute", "ProbeStep", "probe_compute",
 PROBE = TransformerArgs(vocab_size=512, dim=128, n_layers=4, n_heads=4, ffn_dim=344, max_seq_len=64)
 PROBE_QUICK = TransformerArgs(vocab_size=67, dim=32, n_layers=2, n_heads=4, ffn_dim=88, max_seq_len=16)
 _BATCH = 2
-# the three plans: no passes (one collective per parameter use, each waited where traced), the
-# default buckets not reordered (few collectives, each waited where traced) and the default plan
-# (the same buckets, run behind compute). Not "the pass with bucketing off": that reorders a hundred
-# small collectives to overlap, and on 2 gloo ranks one such probe of five hung in a reduce-scatter's wait
-_PLANS = (None, simplefsdp.PassConfig(reorder=None), simplefsdp.PassConfig())
+
+
+def _small_cap(args: TransformerArgs, world: int) -> int:
+    """The small-bucket plans' cap: the bytes one rank sends for one feed-forward matrix (fp32,
+    `world` ranks), so that a bucket holds that matrix alone or two or three smaller parameters."""
+    return args.dim * args.ffn_dim * 4 // world
+
+
+def _plans(args: TransformerArgs, world: int) -> tuple[simplefsdp.PassConfig | None, ...]:
+    """The five plans of [Note: what a collective costs a step], in the order they are timed. Not "the
+    pass with bucketing off": that reorders a hundred small collectives to overlap, and on 2 gloo ranks
+    one such probe of five hung in a reduce-scatter's wait; the small-bucket plans keep buckets of
+    one or a few parameters (a parameter larger than the cap travels alone, as without passes)."""
+    small = simplefsdp.BucketConfig(plan="cap", cap_bytes=_small_cap(args, world))
+    return (
+        None,
+        simplefsdp.PassConfig(reorder=None),
+        simplefsdp.PassConfig(),
+        simplefsdp.PassConfig(bucket=small, reorder=None),
+        simplefsdp.PassConfig(bucket=small),
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -165,4 +187,4 @@ def probe_steps(*, profile: DeviceProfile, device: torch.device, quick: bool = F
     """Each plan of [Note: what a collective costs a step], compiled on this rank and predicted under
     `profile` (timed by the caller, `timings.measure`). Collective: call on every rank."""
     args = PROBE_QUICK if quick else PROBE
-    return [_one_plan(passes, args, profile, device) for passes in _PLANS]
+    return [_one_plan(passes, args, profile, device) for passes in _plans(args, dist.get_world_size())]

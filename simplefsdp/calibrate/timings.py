@@ -417,6 +417,17 @@ def _optimizers(device: torch.device, plan: _Plan) -> dict[str, list[tuple[int, 
     return result
 
 
+# [Note: timing compiled compute]
+# The compiled compute probe sets `compute_scale`, which every prediction of a step multiplies its
+# compute by, so one bad timing of it moves them all: in one scoreboard run on the 2-core host
+# (2026-12-05) it came out at 19.9 ms, where a calibration minutes later and the runs before timed
+# 11.5-12.1 ms; that run's predictions were all 1.25-1.36x over, and the same profile with the
+# other run's scale put all ten within 0.97-1.06x. The ranks finish compiling the probe at
+# different times, and each used to time it at once, possibly while the other still compiled on
+# the same cores; it is one forward and backward of about 12 ms, so nine repeats span a tenth of a
+# second. Now the ranks meet at a barrier first, and the median is over three times the repeats.
+
+
 def _agree(values: list[float], device: torch.device) -> list[float]:
     """The largest of each value over the ranks."""
     tensor = torch.tensor(values, dtype=torch.float64, device=device)
@@ -471,7 +482,9 @@ def measure(*, device: torch.device, quick: bool = False) -> Measurements:
     )
     if device.type == "cpu":  # [Note: what a training step adds], compute as compiled: the CPU only
         compute = probe_compute(profile=profile_from(measured, name="roofline"), device=device, quick=quick)
-        (compute_s,) = _agree([_median_s(compute.forward_backward, device, plan.repeats)], device)
+        # [Note: timing compiled compute] every rank starts together, over three times the repeats
+        dist.barrier()
+        (compute_s,) = _agree([_median_s(compute.forward_backward, device, 3 * plan.repeats)], device)
         measured = dataclasses.replace(measured, compute_probe=(compute.roofline_s, compute_s))
     probes = probe_steps(profile=profile_from(measured, name="without the step probe"), device=device, quick=quick)
     seconds = _agree([_median_s(probe.step, device, plan.repeats) for probe in probes], device)

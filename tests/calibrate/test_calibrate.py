@@ -90,12 +90,16 @@ def test_quick_calibration_on_two_ranks_round_trips(tmp_path):
     big = cost.collective_seconds(profile, kind="reduce_scatter", nbytes=2**24, world=2)
     assert big > cost.collective_seconds(profile, kind="reduce_scatter", nbytes=2**12, world=2)
     probe = data["measured"]["step_probe"]  # [Note: what a collective costs a step]
-    assert len(probe) == 3, probe
-    (none, none_exposed, _, _), (kept, kept_exposed, _, _), (default, default_exposed, _, _) = probe
+    assert len(probe) == 5, probe
+    (none, none_exposed, _, _), (kept, kept_exposed, _, _), (default, default_exposed, _, _) = probe[:3]
+    (small_kept, small_kept_exposed, _, _), (small, small_exposed, _, _) = probe[3:]
     assert none > default == kept, "no passes: more collectives; the default plan has the same buckets reordered"
     assert none_exposed == none, "no passes: each collective waited right after its launch"
     assert kept_exposed == kept, "buckets not reordered: each waited right after its launch"
     assert default_exposed < default, "the default plan runs collectives behind compute"
+    assert none >= small == small_kept > default, "small buckets: more collectives than per block"
+    assert small_kept_exposed == small_kept, "small buckets not reordered: each waited right after its launch"
+    assert small_exposed < small, "small buckets reordered: behind compute"
     assert all(predicted > 0 and measured > 0 for _, _, predicted, measured in probe), probe
     fitted = fit_step_probe([tuple(point) for point in probe])
     assert (profile.step_collective_s, profile.step_exposed_wait_s) == fitted
@@ -142,6 +146,14 @@ def test_fit_step_probe_separates_what_every_collective_and_an_exposed_wait_cost
         "two plans cannot separate the terms: all of it per collective"
     )
     assert fit_step_probe([point(27, 3, 0.1)]) == (0.0, 0.0), "one plan: no slope"
+    # why five plans: 4 ms of noise apart on the two 15-collective plans moves a three-plan fit's
+    # per-wait term by 0.3 ms; the small-bucket pair (70 waits apart) holds it within 0.1 ms
+    shaken = [point(116, 116, 0.08), point(15, 15, 0.05, noise=-2e-3), point(15, 2, 0.04, noise=2e-3)]
+    assert abs(fit_step_probe(shaken)[1] - per_wait) > 2.5e-4
+    five = [*shaken, point(74, 74, 0.07), point(74, 4, 0.07)]
+    a, b = fit_step_probe(five)
+    assert abs(b - per_wait) < 1e-4
+    assert abs(a - per_collective) < 1e-4
     assert fit_step_probe([]) == (0.0, 0.0), "not probed: no charge"
 
 
