@@ -1,7 +1,7 @@
 """`simplefsdp calibrate`: measure this machine and write a device profile file.
 
     simplefsdp calibrate                         # 2 CPU ranks (gloo) or one per GPU (NCCL) -> profile.json
-    simplefsdp calibrate --out cpu.json --quick  # seconds: fewer sizes and repeats
+    simplefsdp calibrate --out cpu.json --quick  # seconds: fewer sizes and repeats, a rough profile
     torchrun --nproc-per-node 8 -m simplefsdp.calibrate --out h100x8.json
 
 Use the file wherever a device profile name is taken: `BucketConfig(device="cpu.json")`,
@@ -113,7 +113,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--out", default="profile.json", help="profile file to write (default: profile.json)")
     parser.add_argument("--nproc", type=int, default=None, help="ranks to spawn (default: 2 on the CPU, every GPU)")
     parser.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda when available")
-    parser.add_argument("--quick", action="store_true", help="fewer sizes and repeats: seconds, not minutes")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="fewer sizes and repeats, a tiny probe model run without inductor: seconds, not minutes; "
+        "checks the set-up, not a profile to plan with",
+    )
     parser.add_argument("--name", default="", help="the profile's name (default: device, ranks and host)")
     parser.add_argument(
         "--memory-gib", type=float, default=None, help="memory per rank (default: what the device / host reports)"

@@ -48,6 +48,16 @@ rates: `fit.py` turns the pair into `DeviceProfile.compute_scale` ([Note: what a
 adds] in `passes/cost.py`), and the five plans are then predicted with it -- so the per-collective
 terms fitted from them are what is left once compute is charged what it really took.
 
+[Note: the quick probes skip inductor]
+`--quick` (and the scoreboard's `--tiny`) exists to check the pipeline in seconds, not to plan with:
+its probe model (`PROBE_QUICK`, dim 32) is too small for its step times to say much about a real
+model's. Compiled with inductor, its six forward-backward pairs (the compute probe and five plans) took 60 of
+a quick calibration's 69 s on the 2-core host (2026-12-05), nearly all of it inductor generating and
+building kernels. So a quick run compiles them with `simplefsdp_aot_eager` (the same partitioned
+graphs and post-grad passes, ours included, run op by op): the probes, their schedules and the fits
+run as in a full run, but what they time is uncompiled compute, so a quick profile's
+`compute_scale` and step terms describe that, not inductor's code. Plan with a full calibration.
+
 Invariant: the predictions are a pure function of the graphs and the profile, the same on every
 rank; `timings.measure` times the steps like every other timing (median, then the largest over the
 ranks), so every rank ends with the same points.
@@ -75,6 +85,12 @@ __all__ = ["PROBE", "PROBE_QUICK", "ProbeCompute", "ProbeStep", "probe_compute",
 PROBE = TransformerArgs(vocab_size=512, dim=128, n_layers=4, n_heads=4, ffn_dim=344, max_seq_len=64)
 PROBE_QUICK = TransformerArgs(vocab_size=67, dim=32, n_layers=2, n_heads=4, ffn_dim=88, max_seq_len=16)
 _BATCH = 2
+
+
+def _backend(quick: bool) -> str:
+    """The compiler the probes use: inductor, or for a quick run its post-grad graphs run op by op
+    ([Note: the quick probes skip inductor])."""
+    return "simplefsdp_aot_eager" if quick else "inductor"
 
 
 def _small_cap(args: TransformerArgs, world: int) -> int:
@@ -140,7 +156,7 @@ def probe_compute(*, profile: DeviceProfile, device: torch.device, quick: bool =
     rank, which each compile the same graphs, so the roofline is the same on every rank."""
     args = PROBE_QUICK if quick else PROBE
     model = _model(args, "Compute", device)
-    compiled = torch.compile(model)
+    compiled = torch.compile(model, backend=_backend(quick))
     tokens = _tokens(args, device)
 
     def forward_backward() -> None:
@@ -158,11 +174,15 @@ def probe_compute(*, profile: DeviceProfile, device: torch.device, quick: bool =
 
 
 def _one_plan(
-    passes: simplefsdp.PassConfig | None, args: TransformerArgs, profile: DeviceProfile, device: torch.device
+    passes: simplefsdp.PassConfig | None,
+    args: TransformerArgs,
+    profile: DeviceProfile,
+    device: torch.device,
+    backend: str,
 ) -> ProbeStep:
     model = _model(args, str(id(passes)), device)
     simplefsdp.wrap(model, passes=passes)
-    compiled = torch.compile(model)
+    compiled = torch.compile(model, backend=backend)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     tokens = _tokens(args, device)
 
@@ -187,4 +207,5 @@ def probe_steps(*, profile: DeviceProfile, device: torch.device, quick: bool = F
     """Each plan of [Note: what a collective costs a step], compiled on this rank and predicted under
     `profile` (timed by the caller, `timings.measure`). Collective: call on every rank."""
     args = PROBE_QUICK if quick else PROBE
-    return [_one_plan(passes, args, profile, device) for passes in _plans(args, dist.get_world_size())]
+    plans = _plans(args, dist.get_world_size())
+    return [_one_plan(passes, args, profile, device, _backend(quick)) for passes in plans]
