@@ -244,8 +244,32 @@ def active(model: nn.Module) -> Iterator[FsdpPass | None]:
             # Inductor's peak-memory reordering sinks each all-gather back to its wait (visible in the
             # generated code on torch 2.13), undoing the prefetch; the pass bounds its extra memory itself.
             stack.enter_context(inductor_config.patch(reorder_for_peak_memory=False))
+        if _on_the_cpu(model):  # [Note: no buffer reuse on the CPU]
+            stack.enter_context(inductor_config.patch(allow_buffer_reuse=False))
         stack.enter_context(functorch_config.patch(force_non_lazy_backward_lowering=True))
         yield graph_pass
+
+
+def _on_the_cpu(model: nn.Module) -> bool:
+    """Whether `model`'s parameters (and so its collectives' buffers) live on the CPU.
+
+    [Note: no buffer reuse on the CPU]
+    Inductor's generated code does not always free a buffer at its last use: when a later buffer has
+    the same size, it keeps the first for it, if its own estimate of the graph's peak says holding it
+    until then costs nothing. That estimate counts the graph's buffers only. gloo's staging copy of
+    a collective's buffer (a reduce-scatter copies its whole input bucket before reducing it, see
+    `DeviceProfile.staging` in `passes/cost.py`) is outside it, and that copy is often the step's
+    peak. Measured on 2 gloo ranks (the scoreboard's 8-block model, SHARD_GRAD_OP, 2026-12-05): at the
+    launch of the backward's first reduction, the step's peak, 9.1 MiB of that bucket's gradient
+    buffers were still held, kept for the next blocks' gradients of the same sizes -- 104.5 MiB per
+    rank at the peak (88.4 MiB under the default plan); with reuse off, 95.8 MiB (83.8 MiB), what
+    the liveness walk predicts (95.4 and 83.5 MiB: it frees every buffer at its last use). So a
+    wrapped model on the CPU compiles with `allow_buffer_reuse=False`, and glibc serves the
+    allocations instead (freed memory kept for the next, `simplefsdp/cpu_memory.py`). On a GPU,
+    NCCL stages nothing in PyTorch's allocator, inductor's estimate sees every buffer there is, and
+    reuse stays on."""
+    param = next(model.parameters(), None)
+    return param is not None and param.device.type == "cpu"
 
 
 # [Note: nothing traceable in the eager wrapper]

@@ -320,3 +320,20 @@ def test_the_pass_pauses_the_garbage_collector_and_restores_it(monkeypatch):
     finally:
         (gc.enable if was else gc.disable)()
     assert seen == [False, False, False]
+
+
+def test_a_cpu_model_compiles_without_buffer_reuse(fake_world8):
+    """[Note: no buffer reuse on the CPU]: inside `active(model)` inductor's buffer reuse is off for a
+    model on the CPU, on for one elsewhere (here the meta device), and as it was after the block."""
+    import simplefsdp
+    from simplefsdp.passes.install import active
+
+    assert inductor_config.allow_buffer_reuse
+    on_cpu = simplefsdp.wrap(torch.nn.Linear(8, 8))
+    with torch.device("meta"):
+        on_meta = simplefsdp.wrap(torch.nn.Linear(8, 8))
+    with active(on_cpu):
+        assert not inductor_config.allow_buffer_reuse
+    assert inductor_config.allow_buffer_reuse
+    with active(on_meta):
+        assert inductor_config.allow_buffer_reuse
