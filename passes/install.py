@@ -266,8 +266,8 @@ def _on_the_cpu(model: nn.Module) -> bool:
     the liveness walk predicts (95.4 and 83.5 MiB: it frees every buffer at its last use). So a
     wrapped model on the CPU compiles with `allow_buffer_reuse=False`, and glibc serves the
     allocations instead (freed memory kept for the next, `simplefsdp/cpu_memory.py`). On a GPU,
-    NCCL stages nothing in PyTorch's allocator, inductor's estimate sees every buffer there is, and
-    reuse stays on."""
+    where NCCL stages nothing in PyTorch's allocator, reuse stays on (not measured there with NCCL
+    between ranks)."""
     param = next(model.parameters(), None)
     return param is not None and param.device.type == "cpu"
 
