@@ -13,6 +13,7 @@ The modules, in the order a graph goes through them:
 - `detect.py`: which collectives are FSDP's (a parameter's all-gather, a gradient's reduction);
 - `plan.py`: pure bucket plans over candidates; `cost.py`: the cost model the `auto` plan uses;
 - `bucket.py`: a bucket becomes copy-in -> one collective -> copy-out (`simplefsdp.kernels`);
+  `backend.py`: on gloo a reduce-scatter bucket is an in-place all-reduce (what gloo does anyway);
 - `reorder.py`: prefetch all-gathers, launch reductions early, within a byte budget;
 - `fsdp_pass.py`: the pass and its configuration;
 - `install.py`: how a plain `torch.compile(model)` runs it; `aot_eager.py`: the debugging backend.

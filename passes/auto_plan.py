@@ -39,6 +39,7 @@ import dataclasses
 from torch import fx
 
 from simplefsdp.passes import cost
+from simplefsdp.passes.backend import reduces_in_place
 from simplefsdp.passes.collectives import Collective
 from simplefsdp.passes.plan import Bucket, Candidate, MergeKey, exposed_seconds, plan_by_cost
 
@@ -80,7 +81,10 @@ def plan_auto(
 
     def comm_s(key: MergeKey, nbytes: int) -> float:
         full = nbytes * key.group_size if key.kind == "all_gather" else nbytes
-        return cost.collective_seconds(device, kind=key.kind, nbytes=full, world=key.group_size)
+        kind = key.kind  # what the bucket will issue: on gloo a reduce-scatter bucket all-reduces
+        if kind == "reduce_scatter" and reduces_in_place(key.group_name):
+            kind = "all_reduce"
+        return cost.collective_seconds(device, kind=kind, nbytes=full, world=key.group_size)
 
     def plan(windows_s: list[float], cap: int, *, waited_at_launch: bool = False) -> tuple[list[Bucket], float]:
         def fixed_s(key: MergeKey, nbytes: int, members: int) -> float:

@@ -17,7 +17,8 @@ zero pad of dim 0 to a multiple of world):
     out  = wait(reduce_scatter_tensor(flat, op, world, group))     # [N]
     shards = split(out, chunks)                                    # each [chunk_i], views, reshaped
 
-All-reduce buckets are the world-1 layout of the same ops. The copy ops are simplefsdp's custom
+On gloo the reduce-scatter is an in-place all-reduce of `flat` and a copy of this rank's slot
+(`passes/backend.py`). All-reduce buckets are the world-1 layout of the same ops. The copy ops are simplefsdp's custom
 ops (`kernels/`: Triton on GPU, torch on CPU); they only move, cast and pad, exactly as the
 nodes they replace did, so results are bitwise equal to the unbucketed graph and bytes on the wire
 are the members' sum. The all-gather runs in place on the buffer the copy-in wrote this rank's slot
@@ -47,6 +48,7 @@ from simplefsdp.kernels.copy_ops import (
     SUPPORTED_DTYPES,
 )
 from simplefsdp.kernels.reference import chunk_numel
+from simplefsdp.passes.backend import reduces_in_place
 from simplefsdp.passes.collectives import Collective, is_cast_or_pad
 from simplefsdp.passes.detect import FsdpAllGather
 from simplefsdp.passes.plan import Bucket
@@ -244,16 +246,23 @@ def _merge_reductions(graph: fx.Graph, members: list[Collective]) -> tuple[list[
         chains = [_unprepared(x, pad_ok=lambda n: _pads_to_world_multiple(n, world)) for x in sent]
     else:  # an all-reduce bucket concatenates as they are: keep any pad
         chains = [_unprepared(x, pad_ok=lambda n: False) for x in sent]
+    in_place = scatter and reduces_in_place(group)
     with graph.inserting_before(members[-1].launch):
         grads = [_contiguous(graph, src) for src, _ in chains]
         # an all-reduce bucket is the world-1 layout: plain concatenation
         flat = _call(graph, REDUCE_SCATTER_COPY_IN, grads, world if scatter else 1, dtype, 1.0)
-        if scatter:
+        if in_place:  # [Note: gloo's reduce-scatter is an all-reduce of a copy] in passes/backend.py
+            reduced = _call(graph, c10d_functional.all_reduce_.default, flat, op, group)
+        elif scatter:
             reduced = _call(graph, c10d_functional.reduce_scatter_tensor.default, flat, op, world, group)
         else:
             reduced = _call(graph, c10d_functional.all_reduce.default, flat, op, group)
         chunks = [math.prod(_shape(x)) // (world if scatter else 1) for x in sent]
         waited = _call(graph, c10d_functional.wait_tensor.default, reduced)
+        if in_place:  # this rank's slot, copied: the shards must not keep the whole buffer alive
+            rank = resolve_process_group(group).rank()
+            slot = _call(graph, aten.narrow.default, waited, 0, rank * sum(chunks), sum(chunks))
+            waited = _call(graph, aten.clone.default, slot)
         # each shard is a contiguous run of the reduced slot, in the same dtype: views, no copy-out
         # (the cast back to the master dtype stays where the graph has it)
         pieces = _call(graph, aten.split_with_sizes.default, waited, chunks)

@@ -46,7 +46,9 @@ __all__ = [
     "is_collective",
     "is_communication",
     "is_data_movement",
+    "is_in_place",
     "is_reduce_scatter",
+    "is_slot_copy",
     "is_view_of_input",
     "is_wait",
     "merge_repeated_waits",
@@ -61,6 +63,7 @@ _KIND_OF_PACKET: dict[OpOverloadPacket, CollectiveKind] = {
     c10d_functional.all_gather_into_tensor_out: "all_gather",
     c10d_functional.reduce_scatter_tensor: "reduce_scatter",
     c10d_functional.all_reduce: "all_reduce",
+    c10d_functional.all_reduce_: "all_reduce",  # in place: a gloo bucket's reduction (passes/backend.py)
 }
 
 
@@ -80,7 +83,27 @@ def is_reduce_scatter(node: fx.Node) -> bool:
 
 
 def is_all_reduce(node: fx.Node) -> bool:
-    return _packet(node) is c10d_functional.all_reduce
+    """An all-reduce launch: out-of-place, or in place on its input (`all_reduce_`)."""
+    return _KIND_OF_PACKET.get(_packet(node)) == "all_reduce"
+
+
+def is_slot_copy(node: fx.Node) -> bool:
+    """The copy of this rank's slot out of an in-place all-reduce's waited buffer: what a gloo
+    reduce-scatter bucket becomes (`passes/backend.py`), the unpacking of its result."""
+    if node.op != "call_function" or node.target is not torch.ops.aten.clone.default:
+        return False
+    slot = node.args[0]
+    if not (isinstance(slot, fx.Node) and slot.target is torch.ops.aten.narrow.default):
+        return False
+    wait = slot.args[0]
+    return isinstance(wait, fx.Node) and is_wait(wait) and _packet(wait.args[0]) is c10d_functional.all_reduce_
+
+
+def is_in_place(node: fx.Node) -> bool:
+    """A collective launch whose result is its input's storage (`all_reduce_`) or its `out=` buffer."""
+    return _packet(node) is c10d_functional.all_reduce_ or (
+        is_collective(node) and isinstance(node.kwargs.get("out"), fx.Node)
+    )
 
 
 def is_wait(node: fx.Node) -> bool:

@@ -192,6 +192,7 @@ class DeviceProfile:
     step_collective_s: float = 0.0  # what else each collective costs a compiled step (measured in one)
     step_exposed_wait_s: float = 0.0  # what else waiting one with no compute since its launch costs (same)
     compute_scale: float = 1.0  # wall seconds of compiled compute per roofline second (1: the roofline)
+    backend: str = ""  # the communication backend it describes ("nccl", "gloo"; "": unknown), for dry runs
 
     def __post_init__(self) -> None:
         rates = {k: getattr(self, k) for k in ("bus_bytes_per_s", "flops_per_s", "memory_bytes_per_s")}
@@ -261,9 +262,11 @@ def _profile(
     memory: float,
     overlap: float = 1.0,
     capacity_gb: float | None = None,
+    backend: str = "nccl",
 ) -> DeviceProfile:
     return DeviceProfile(
         name=name,
+        backend=backend,
         latency_s=alpha,
         bus_bytes_per_s=bus,
         flops_per_s=flops,
@@ -281,7 +284,7 @@ PROFILES: dict[str, DeviceProfile] = {
         _profile("a100", alpha=15e-6, bus=230e9, flops=312e12, memory=2.0e12, capacity_gb=80),
         _profile("a100-40gb", alpha=15e-6, bus=230e9, flops=312e12, memory=1.555e12, capacity_gb=40),
         # two processes on one host over gloo (TCP loopback): what the CPU tests and benchmark run
-        _profile("cpu-gloo", alpha=100e-6, bus=2e9, flops=50e9, memory=10e9, overlap=0.5),
+        _profile("cpu-gloo", alpha=100e-6, bus=2e9, flops=50e9, memory=10e9, overlap=0.5, backend="gloo"),
     )
 }
 
@@ -313,7 +316,7 @@ def load_profile(path: str | Path) -> DeviceProfile:
         nested = {*_NESTED, "staging"}
         fields = {f.name for f in dataclasses.fields(DeviceProfile)} - nested
         optional = {"overlap", "wake_s", "wake_tau_s", "drift", "drift_span_s", "capacity_bytes"}
-        optional |= {"step_collective_s", "step_exposed_wait_s", "compute_scale"}
+        optional |= {"step_collective_s", "step_exposed_wait_s", "compute_scale", "backend"}
         missing = sorted(f for f in fields - optional if f not in data)
         if missing:
             raise ValueError(f"missing keys {missing}")
@@ -322,7 +325,8 @@ def load_profile(path: str | Path) -> DeviceProfile:
             for field, (a, b) in _NESTED.items()
         }
         staging = tuple((kind, float(factor)) for kind, factor in sorted(data.get("staging", {}).items()))
-        numbers = {f: (data[f] if f == "name" else float(data[f])) for f in fields if data.get(f) is not None}
+        text = ("name", "backend")
+        numbers = {f: (str(data[f]) if f in text else float(data[f])) for f in fields if data.get(f) is not None}
         return DeviceProfile(**numbers, **triples, staging=staging)
     except FileNotFoundError:
         raise ValueError(

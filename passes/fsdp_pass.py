@@ -24,6 +24,7 @@ from torch import fx
 from simplefsdp._compat import CustomGraphPass
 from simplefsdp.passes import cost
 from simplefsdp.passes.auto_plan import plan_auto
+from simplefsdp.passes.backend import cache_tag
 from simplefsdp.passes.bucket import apply_all_gather_buckets, apply_reduction_buckets
 from simplefsdp.passes.collectives import Collective, merge_repeated_waits
 from simplefsdp.passes.detect import find_fsdp_all_gathers, find_fsdp_reductions
@@ -223,7 +224,10 @@ class FsdpPass(CustomGraphPass):
         # forgotten too often, so the key carries a digest of the code that decides the pass's
         # output (`code_fingerprint`): any edit to the passes or kernels, or another torch or
         # simplefsdp version, is a miss.
-        key = f"simplefsdp-pass-{code_fingerprint()}-{self.config}-{profile}-{groups}-rank{rank}"
+        # the backend decides how a reduce-scatter bucket is issued ([Note: gloo's reduce-scatter is an
+        # all-reduce of a copy]); the groups' backends are the default group's in every use here
+        backend = cache_tag()
+        key = f"simplefsdp-pass-{code_fingerprint()}-{self.config}-{profile}-{groups}-rank{rank}-{backend}"
         return hashlib.sha256(key.encode()).hexdigest()
 
 

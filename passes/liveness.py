@@ -4,7 +4,7 @@
 Each node's output is allocated when the node runs and freed after its last use, as inductor's
 generated code frees buffers: graph outputs live to the end, inputs (placeholders) from the start to
 their last use. Views (a reshape of a contiguous tensor among them), `getitem`, `wait_tensor` and
-in-place collectives (`..._out`) alias their input's storage instead of allocating. A collective's
+in-place collectives (`..._out`, `all_reduce_`) alias their buffer's storage instead of allocating. A collective's
 input stays alive until the collective's wait, not just until its launch: the communication reads
 it in the background. Live bytes are split into gathered parameters / communication buffers
 (outputs of all-gathers, of the bucket copy ops, and values derived only from gathered weights),
@@ -36,6 +36,7 @@ from simplefsdp.passes.collectives import (
     is_all_gather,
     is_bucket_copy,
     is_data_movement,
+    is_in_place,
     is_reduce_scatter,
     is_view_of_input,
     is_wait,
@@ -83,8 +84,9 @@ def _alias_of(node: fx.Node) -> fx.Node | None:
     """The node whose storage `node`'s output shares, or None if it allocates its own."""
     if node.op != "call_function":
         return None
-    if "out" in node.kwargs and isinstance(node.kwargs["out"], fx.Node):  # in-place collective on a buffer
-        return node.kwargs["out"]
+    if is_in_place(node):  # an in-place collective: on its `out=` buffer, or on its input
+        out = node.kwargs.get("out")
+        return out if isinstance(out, fx.Node) else node.args[0]
     if is_wait(node) or is_view_of_input(node):
         return node.args[0] if isinstance(node.args[0], fx.Node) else None
     return None

@@ -66,7 +66,7 @@ from collections.abc import Collection, Iterable
 from torch import fx
 
 from simplefsdp.kernels.copy_ops import ALL_GATHER_COPY_OUT
-from simplefsdp.passes.collectives import find_collectives, is_data_movement
+from simplefsdp.passes.collectives import find_collectives, is_data_movement, is_slot_copy
 from simplefsdp.passes.detect import find_fsdp_reductions
 from simplefsdp.passes.liveness import Lifetimes, allocates, nbytes, not_alike
 from simplefsdp.passes.walk import upstream, walk
@@ -96,13 +96,15 @@ class ReorderConfig:
 
 
 def _is_unpack(node: fx.Node) -> bool:
-    """An op that unpacks a waited result: a view (`reshape`, `getitem`, `slice`, ...) or the bucket copy-out."""
+    """An op that unpacks a waited result: a view (`reshape`, `getitem`, `slice`, ...), the bucket
+    copy-out, or the slot copy of a gloo reduction bucket (`is_slot_copy`)."""
     if node.op != "call_function":
         return False
     return (
         node.target is operator.getitem
         or node.target is ALL_GATHER_COPY_OUT
         or bool(getattr(node.target, "is_view", False))
+        or is_slot_copy(node)
     )
 
 

@@ -45,6 +45,7 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
+from simplefsdp.gloo import is_gloo
 from simplefsdp.passes.cost import DeviceProfile
 
 if TYPE_CHECKING:  # timings.py uses the fit to decide when to time again
@@ -238,6 +239,7 @@ def profile_from(measured: Measurements, *, name: str) -> DeviceProfile:
     per_collective, per_exposed_wait = fit_step_probe(measured.step_probe)
     return DeviceProfile(
         name=name,
+        backend="gloo" if is_gloo(measured.backend) else measured.backend,
         latency_s=fits["all_gather"][0],
         bus_bytes_per_s=fits["all_gather"][1],
         flops_per_s=2 * measured.matmul_n**3 / measured.matmul_s,

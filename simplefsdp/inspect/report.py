@@ -17,6 +17,7 @@ from simplefsdp.inspect.memory import MemoryEstimate, estimate_memory
 from simplefsdp.inspect.schedule import StepSchedule, simulate_step
 from simplefsdp.inspect.timeline import save_html, save_png
 from simplefsdp.passes import cost
+from simplefsdp.passes.backend import simulating
 
 __all__ = ["Report", "analyse", "builtin_profile_note", "inspect_model", "resolve_profile"]
 
@@ -114,7 +115,9 @@ def inspect_model(
     """Capture one training step of `model` (wrapped by `simplefsdp.wrap`) on `example_input` and
     analyse it for the device profile `device` (see `capture_step` for `code` and `loss_fn`).
 
-    Runs under whatever process group the model was wrapped on (the fake one for a dry run)."""
+    Runs under whatever process group the model was wrapped on (the fake one for a dry run: the pass
+    then issues collectives as on the backend the profile describes, see `passes/backend.py`)."""
     profile = resolve_profile(device)
-    captured = capture_step(model, example_input, loss_fn=loss_fn, code=code)
+    with simulating(profile.backend):
+        captured = capture_step(model, example_input, loss_fn=loss_fn, code=code)
     return analyse(captured, device=profile, optimizer=optimizer)

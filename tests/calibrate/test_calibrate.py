@@ -69,6 +69,7 @@ def test_quick_calibration_on_two_ranks_round_trips(tmp_path):
     out = tmp_path / "cpu.json"
     profile = calibrate(out=out, nproc=2, device_type="cpu", quick=True, name="test-cpu")
     assert profile.name == "test-cpu"
+    assert profile.backend == "gloo", "simplefsdp's one-worker gloo, recorded as gloo (passes/backend.py)"
     assert cost.profile(str(out)) == profile, "the file loads back as the same profile"
     assert {kind for kind, _, _ in profile.collectives} == set(cost.COLLECTIVE_KINDS)
     assert 0.0 <= profile.overlap <= 1.0
@@ -251,6 +252,8 @@ def test_a_profile_is_refused_when_a_kinds_times_do_not_grow():
     )
     fine = dataclasses.replace(measured, collectives={**measured.collectives, "reduce_scatter": growing})
     assert profile_from(fine, name="roofline").compute_scale == 1.0, "no compute probe: the roofline"
+    assert profile_from(fine, name="roofline").backend == "gloo"
+    assert profile_from(dataclasses.replace(fine, backend="nccl"), name="gpu").backend == "nccl"
     probed = dataclasses.replace(fine, compute_probe=(0.004, 0.005))
     assert profile_from(probed, name="probed").compute_scale == pytest.approx(1.25)
     assert profile_from(fine, name="no wake timing").drift_span_s is None, "nothing measured: no bound"

@@ -36,7 +36,10 @@ def test_claims_agree_with_generated_code(compiled):
     for phase, code in [(schedule.forward, capture.forward_code), (schedule.backward, capture.backward_code)]:
         events = _code_events(code)
         position = {event: i for i, event in enumerate(events)}
-        for kind, collective in [("all_gather", "all_gather_into_tensor"), ("reduce_scatter", "reduce_scatter_tensor")]:
+        # a gloo profile: each reduce-scatter bucket is an in-place all-reduce (passes/backend.py), a
+        # reduce-scatter left out of a bucket stays one
+        launches = [("all_gather", "all_gather_into_tensor"), ("reduce_scatter", "reduce_scatter_tensor")]
+        for kind, collective in [*launches, ("all_reduce", "all_reduce_")]:
             claimed = [e for e in phase.comm if e.collective == kind]
             buffers = _launches(code, collective)
             assert len(buffers) == len(claimed), f"{phase.phase}: {kind} count differs between FX and code"
@@ -62,13 +65,14 @@ def test_pictures_show_both_lanes(compiled, tmp_path):
     pixels = matplotlib.image.imread(png)
     assert pixels.shape[0] > 100
     assert pixels.shape[1] > 500
+    # the gradient buckets' reductions: in-place all-reduces on a gloo profile (passes/backend.py)
     for color, what in [(_COMPUTE[0], "compute"), (_COMM["all_gather"], "all-gather"),
-                        (_COMM["reduce_scatter"], "reduce-scatter"), (EXPOSED, "exposed")]:  # fmt: skip
+                        (_COMM["all_reduce"], "all-reduce"), (EXPOSED, "exposed")]:  # fmt: skip
         assert _has_color(pixels, color), f"no {what} bar in the PNG"
     page = save_html(schedule, tmp_path / "t.html").read_text()
     assert ">compute</text>" in page
     assert ">comm</text>" in page
-    for color in (_COMPUTE[0], _COMM["all_gather"], _COMM["reduce_scatter"], EXPOSED):
+    for color in (_COMPUTE[0], _COMM["all_gather"], _COMM["reduce_scatter"], _COMM["all_reduce"], EXPOSED):
         assert f'fill="{color}"' in page
     assert "<script" not in page, "self-contained"
     assert "http" not in page.replace("http://www.w3.org/2000/svg", ""), "self-contained"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import operator
 
@@ -155,9 +156,17 @@ def test_profile_file_round_trips_the_step_terms(tmp_path):
         step_collective_s=3e-4,
         step_exposed_wait_s=5e-4,
         compute_scale=1.2,
+        backend="gloo",
     )
     cost.save_profile(device, tmp_path / "p.json")
     assert cost.profile(str(tmp_path / "p.json")) == device
+    # a file written before profiles named their backend: unknown, so a dry run issues reduce-scatters
+    data = json.loads((tmp_path / "p.json").read_text())
+    del data["backend"]
+    (tmp_path / "old.json").write_text(json.dumps(data))
+    assert cost.profile(str(tmp_path / "old.json")).backend == ""
+    assert {p.name: p.backend for p in cost.PROFILES.values()}["cpu-gloo"] == "gloo"
+    assert {p.backend for name, p in cost.PROFILES.items() if name != "cpu-gloo"} == {"nccl"}
     with pytest.raises(ValueError, match=r"compute_scale must be > 0"):
         dataclasses.replace(H100, compute_scale=0.0)
     with pytest.raises(ValueError, match=r"drift_span_s must be > 0 or None"):

@@ -112,15 +112,19 @@ def _events(graph: fx.Graph) -> list[tuple[str, str]]:
 
 
 # a launch in inductor's code: `bufN = ...all_gather_into_tensor(...)` / `...reduce_scatter_tensor(...)`,
-# or, for a merged bucket's in-place all-gather, `...all_gather_into_tensor_out(..., out=bufN)`
+# or, for a merged bucket's in-place all-gather, `...all_gather_into_tensor_out(..., out=bufN)`, and for
+# a gloo reduce-scatter bucket's in-place all-reduce (passes/backend.py), `...all_reduce_(bufN, ...)`
 _GATHER_OUT = re.compile(r"torch\.ops\._c10d_functional\.all_gather_into_tensor_out\.default\(.*out=(buf\d+)\)")
+_ALL_REDUCE_IN_PLACE = re.compile(r"torch\.ops\._c10d_functional\.all_reduce_\.default\((buf\d+),")
 
 
 def _launched(line: str, collective: str) -> str | None:
-    """The buffer a launch of `collective` ("all_gather_into_tensor" or "reduce_scatter_tensor") on
-    `line` produces (the one its wait names), or None."""
+    """The buffer a launch of `collective` ("all_gather_into_tensor", "reduce_scatter_tensor" or
+    "all_reduce_") on `line` produces (the one its wait names), or None."""
     if collective == "all_gather_into_tensor" and (m := _GATHER_OUT.search(line)):
         return m.group(1)
+    if collective == "all_reduce_":
+        return m.group(1) if (m := _ALL_REDUCE_IN_PLACE.search(line)) else None
     m = re.search(rf"(buf\d+) = torch\.ops\._c10d_functional\.{collective}\.default\(", line)
     return m.group(1) if m else None
 
@@ -138,7 +142,8 @@ def _code_events(code: str) -> list[tuple[str, str]]:
     """
     events = []
     for line in code[code.index("def call(self") :].splitlines():
-        if buf := _launched(line, "all_gather_into_tensor") or _launched(line, "reduce_scatter_tensor"):
+        launched = (_launched(line, c) for c in ("all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce_"))
+        if buf := next((b for b in launched if b), None):
             events.append(("L", buf))
         elif m := re.search(r"torch\.ops\._c10d_functional\.wait_tensor\.default\((buf\d+)\)", line):
             events.append(("W", m.group(1)))
