@@ -70,16 +70,20 @@ def test_the_fake_group_keeps_the_reduce_scatter_and_a_gloo_dry_run_all_reduces_
 
 def _gloo_backward_counts() -> dict:
     graph = _backward(torch.distributed.get_world_size())
-    launch = _in_place_reductions(graph)
-    return {**collective_counts(graph), "in_place": len(launch)}
+    launches = _in_place_reductions(graph)
+    slots = [(next(iter(next(iter(a.users)).users)).args[1:], a.args[0].meta["val"].numel()) for a in launches]
+    return {**collective_counts(graph), "in_place": len(launches), "slots": slots}
 
 
 def test_gloo_buckets_all_reduce_in_place(ranks2):
-    """On a real gloo group: the bucket's reduction is the in-place all-reduce (training with it is
-    bitwise training without the pass: tests/simplefsdp/test_training.py)."""
-    for counts in ranks2.run(_gloo_backward_counts):
+    """On a real gloo group: the bucket's reduction is the in-place all-reduce, and each rank copies
+    its own slot out (training with it is bitwise training without the pass:
+    tests/simplefsdp/test_training.py)."""
+    for rank, counts in enumerate(ranks2.run(_gloo_backward_counts)):
         assert counts["in_place"] == counts["all_reduce"] == 1
         assert counts["reduce_scatter"] == 0
+        ((narrow_args, numel),) = counts["slots"]
+        assert narrow_args == (0, rank * numel // 2, numel // 2), f"rank {rank} copies out its half"
 
 
 def test_simulating_an_unknown_backend_is_not_gloo(fake_world8):
