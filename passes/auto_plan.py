@@ -78,13 +78,16 @@ def plan_auto(
 ) -> AutoPlan:
     """The auto plan of `candidates` (made from `found`, collectives of `graph`, in graph order)."""
     windows = cost.compute_between(device, graph, [c.launch for c in found]) if found else [0.0]
+    # what each key's bucket will issue, decided once (the plan's dynamic program asks per run it
+    # weighs): on gloo a reduce-scatter bucket all-reduces in place (`passes/backend.py`)
+    issued = {
+        c.key: "all_reduce" if c.key.kind == "reduce_scatter" and reduces_in_place(c.key.group_name) else c.key.kind
+        for c in candidates
+    }
 
     def comm_s(key: MergeKey, nbytes: int) -> float:
         full = nbytes * key.group_size if key.kind == "all_gather" else nbytes
-        kind = key.kind  # what the bucket will issue: on gloo a reduce-scatter bucket all-reduces
-        if kind == "reduce_scatter" and reduces_in_place(key.group_name):
-            kind = "all_reduce"
-        return cost.collective_seconds(device, kind=kind, nbytes=full, world=key.group_size)
+        return cost.collective_seconds(device, kind=issued[key], nbytes=full, world=key.group_size)
 
     def plan(windows_s: list[float], cap: int, *, waited_at_launch: bool = False) -> tuple[list[Bucket], float]:
         def fixed_s(key: MergeKey, nbytes: int, members: int) -> float:
