@@ -58,7 +58,7 @@ import triton.language as tl
 
 from simplefsdp.kernels import launch
 
-__all__ = ["DTYPE_CODES", "launch_bucket", "pack", "supports", "unpack"]
+__all__ = ["DTYPE_CODES", "interpreter_problem", "launch_bucket", "pack", "supports", "unpack"]
 
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
@@ -84,12 +84,44 @@ _TABLE_CACHE = 512  # device tables kept (a few per bucket and op: ~100 bytes a 
 _tables: collections.OrderedDict[tuple[str, int, tuple[int, ...]], tuple[torch.Tensor, int]] = collections.OrderedDict()
 
 
+def _version(text: str) -> tuple[int, int]:
+    major, minor = text.split(".")[:2]
+    return int(major), int("".join(c for c in minor if c.isdigit()) or 0)
+
+
+def interpreter_problem(*, triton_version: str | None = None, numpy_version: str | None = None) -> str | None:
+    """[Note: Triton 3.6's interpreter and NumPy 2.4]
+    Triton's interpreter turns a one-element program-id array into a loop bound with `int(array)`,
+    which NumPy 2.4 refuses for arrays that are not 0-d: every launch of this kernel then fails
+    inside the interpreter with "only 0-dimensional arrays can be converted to Python scalars"
+    (triton-lang/triton#9171). Seen with Triton 3.6.0 (torch 2.11's) and NumPy 2.4.6; the same
+    kernels run with NumPy 2.3.5, and Triton 3.9.0 squeezes the array first. Triton before 3.7 under
+    NumPy 2.4 or later is therefore refused with that reason (the copy ops then run their torch-ops
+    implementations). None where the interpreter can run the kernel (without NumPy it cannot run
+    at all, and says so itself)."""
+    try:
+        import numpy
+    except ImportError:
+        return None
+    triton_version = triton_version or triton.__version__
+    numpy_version = numpy_version or numpy.__version__
+    if _version(triton_version) < (3, 7) and _version(numpy_version) >= (2, 4):
+        return (
+            f"Triton {triton_version}'s interpreter cannot run under NumPy {numpy_version} "
+            "(triton-lang/triton#9171): install numpy<2.4, or a newer Triton"
+        )
+    return None
+
+
 def supports(device: torch.device) -> str | None:
     """None when this kernel can run on `device`, else why not: a GPU Triton has a driver for, or
-    the CPU when the kernels were defined in interpreter mode (`TRITON_INTERPRET=1` at import)."""
+    the CPU when the kernels were defined in interpreter mode (`TRITON_INTERPRET=1` at import) and
+    the interpreter can run them ([Note: Triton 3.6's interpreter and NumPy 2.4])."""
     interpreted = not isinstance(_bucket_copy_kernel, triton.runtime.JITFunction)
     if device.type == "cpu":
-        return None if interpreted else "the CPU runs Triton only in the interpreter (TRITON_INTERPRET=1 before import)"
+        if not interpreted:
+            return "the CPU runs Triton only in the interpreter (TRITON_INTERPRET=1 before import)"
+        return interpreter_problem()
     if interpreted:
         return f"Triton is in interpreter mode, which runs on the CPU, not on {device.type}"
     if device.type != "cuda":

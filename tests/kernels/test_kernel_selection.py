@@ -78,6 +78,8 @@ def test_with_triton_the_kernel_runs(fresh_choice, caplog, monkeypatch):
     from simplefsdp.kernels import triton_copy
 
     importlib.reload(triton_copy)  # decorated in interpreter mode
+    if problem := triton_copy.interpreter_problem():
+        pytest.skip(problem)  # refused by `supports`: see the test below
     launches = []
     launch = triton_copy.launch_bucket
     monkeypatch.setattr(triton_copy, "launch_bucket", lambda *a, **k: launches.append(1) or launch(*a, **k))
@@ -87,3 +89,29 @@ def test_with_triton_the_kernel_runs(fresh_choice, caplog, monkeypatch):
     assert _choices(caplog) == ["simplefsdp copy ops on cpu: Triton kernel"]
     reason = triton_copy.supports(torch.device("cuda"))
     assert reason == "Triton is in interpreter mode, which runs on the CPU, not on cuda"
+
+
+def test_an_interpreter_that_cannot_run_the_kernel_is_refused_with_its_reason(fresh_choice, caplog, monkeypatch):
+    """[Note: Triton 3.6's interpreter and NumPy 2.4]: the versions seen to fail are refused by name,
+    those seen to work are not, and the copy ops then fall back to torch ops and log why."""
+    from simplefsdp.kernels import triton_copy
+
+    problem = triton_copy.interpreter_problem(triton_version="3.6.0", numpy_version="2.4.6")
+    assert problem == (
+        "Triton 3.6.0's interpreter cannot run under NumPy 2.4.6 (triton-lang/triton#9171): "
+        "install numpy<2.4, or a newer Triton"
+    )
+    assert triton_copy.interpreter_problem(triton_version="3.6.0", numpy_version="2.3.5") is None
+    assert triton_copy.interpreter_problem(triton_version="3.9.0", numpy_version="2.4.6") is None
+    assert triton_copy.interpreter_problem(triton_version="3.10.1", numpy_version="2.10.0") is None
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setenv("SIMPLEFSDP_TRITON_ON_CPU", "1")
+    importlib.reload(triton_copy)  # decorated in interpreter mode
+    monkeypatch.setattr(triton_copy.triton, "__version__", "3.6.0")
+    monkeypatch.setattr(pytest.importorskip("numpy"), "__version__", "2.4.0")
+    assert triton_copy.supports(torch.device("cpu")) == triton_copy.interpreter_problem()
+    caplog.set_level(logging.INFO, logger=LOGGER)
+    _round_trip()
+    (line,) = _choices(caplog)
+    assert line == f"simplefsdp copy ops on cpu: torch ops; {triton_copy.interpreter_problem()}"

@@ -66,10 +66,12 @@ PAGES_PER_STEP = sum(STEP_MIB) * MIB // 4096  # 9,216
 def test_kept_freed_memory_is_reused_without_faulting_it_in_again():
     """Measured here: glibc's default faulted 3,800-4,300 pages into each of the last two steps,
     kept none (768 in all in a spawned rank, whose gloo threads also allocate; the first steps
-    fault either way, while the heap grows)."""
-    default, kept = _last_steps_faults(), _last_steps_faults("keep")
-    assert default > PAGES_PER_STEP // 3, f"glibc's default gives the freed buffers back: {default} faults"
-    assert kept < PAGES_PER_STEP // 8, f"kept, the heap serves them again: {kept} faults (default {default})"
+    fault either way, while the heap grows). How much glibc's default gives back depends on the
+    process around it: under torch 2.11's CUDA build the same steps faulted 0-2,561 pages each, so
+    the premise that unmapping makes a step fault is checked where it is set explicitly
+    (`test_returning_freed_memory_undoes_keeping_it`), and here only what keeping promises."""
+    kept = _last_steps_faults("keep")
+    assert kept < PAGES_PER_STEP // 8, f"kept, the heap serves them again: {kept} faults"
 
 
 def test_returning_freed_memory_undoes_keeping_it():
