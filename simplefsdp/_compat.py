@@ -2,18 +2,21 @@
 
 A torch upgrade that moves one of these breaks this file and nothing else. Each entry names the
 torch versions it was checked on: 2.13 is what the CPU development machines carry and every entry
-runs there in the test suite; 2.11 (the GPU machines' version) has not been run yet: its source was
-read, see [Note: torch 2.11 review].
+runs there in the test suite; 2.11 (the GPU machines' version) was first read, see [Note: torch 2.11
+review], and has since been run: the whole CPU suite on torch 2.11.0+cu130 (Triton 3.6.0, NumPy
+2.3.5; 2026-12-05), which found what [Note: torch 2.11 folds is_exporting] works around.
 
 [Note: torch 2.11 review]
 Every entry below read against the torch 2.11.0 wheel's Python source (2.11.0+cu130, downloaded and
-unpacked, not installed; nothing was run on 2.11). "checked": the name exists there with the
-signature / fields we use. "fallback": what runs on 2.11 instead.
+unpacked). "checked": the name exists there with the signature / fields we use. "fallback": what
+runs on 2.11 instead.
 - functorch_config (`enable_autograd_cache`, `force_non_lazy_backward_lowering`), inductor_config
   (`post_grad_custom_post_pass`, `reorder_for_peak_memory`, `fx_graph_cache`): checked.
 - CustomGraphPass: checked. CustomInferenceAwareGraphPass: absent in 2.11 -- fallback: None (the
   `is_inference` flag is not forwarded to a user's pass; there is no such pass interface to honour).
-- aot_autograd, register_backend, get_nonrecursive_disable_wrapper (eager_top_frame),
+- get_nonrecursive_disable_wrapper (eager_top_frame): present, but run it raises when traced from
+  a larger compiled function -- fallback: [Note: torch 2.11 folds is_exporting].
+- aot_autograd, register_backend,
   min_cut_rematerialization_partition, stable_topological_sort, run_and_get_code, set_logs,
   OpOverload / OpOverloadPacket, FakeTensorMode, tree_leaves / tree_map_only, flop_registry: checked.
 - _resolve_process_group: checked (2.11 re-exports it from `torch._C._distributed_c10d`).
@@ -52,8 +55,11 @@ functions (`torch._foreach_copy_`, `torch._chunk_cat`) are.
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import re
+import sys
+import types
 import weakref
 
 import torch
@@ -79,8 +85,8 @@ from torch._dynamo.backends.registry import register_backend
 # traces straight through it when it is called from a frame being compiled (no graph break). How a
 # wrapped model's forward sets the compile config around its own compilation (passes/install.py).
 # Unlike `skip_code`, it survives `torch.compiler.reset()`.
-# torch._dynamo.external_utils.get_nonrecursive_disable_wrapper: checked on 2.13.
-from torch._dynamo.external_utils import get_nonrecursive_disable_wrapper as eager_top_frame
+# torch._dynamo.external_utils.get_nonrecursive_disable_wrapper: checked on 2.13 and 2.11 (run).
+from torch._dynamo.external_utils import get_nonrecursive_disable_wrapper as _nonrecursive_disable_wrapper
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
@@ -331,6 +337,43 @@ DCP_METADATA_GLOBALS: frozenset[tuple[str, str]] = frozenset(
         ("pathlib", "PureWindowsPath"),
     }
 )
+
+
+def _not_exporting_module() -> types.ModuleType:
+    """A module (registered, so Dynamo's guards can find it by name) whose `torch.compiler.is_exporting`
+    is `torch.onnx.is_in_onnx_export`, which Dynamo folds to False and which is False at run time
+    outside an ONNX export: the globals of 2.11's wrapper ([Note: torch 2.11 folds is_exporting])."""
+    name = f"{__name__}._eager_top_frame_globals"
+    if name not in sys.modules:
+        compiler = types.ModuleType(f"{name}.torch.compiler")
+        compiler.is_exporting = torch.onnx.is_in_onnx_export
+        # its first call imports a module of torch.onnx: done here, never while Dynamo's frame
+        # callback is set (under `fullgraph=True` it refused to trace that import's generators)
+        torch.onnx.is_in_onnx_export()
+        shim = types.ModuleType(f"{name}.torch")
+        shim.compiler = compiler
+        module = types.ModuleType(name)
+        module.torch = shim
+        module.__builtins__ = __builtins__  # the wrapper raises a RuntimeError under torch.export
+        sys.modules[name] = module
+    return sys.modules[name]
+
+
+def eager_top_frame(fn):
+    """[Note: torch 2.11 folds is_exporting]
+    The wrapper's code raises when `torch.compiler.is_exporting()` (torch.export refuses it). Dynamo
+    2.11 folds that call to True under *every* compile, so a wrapped model called from a larger
+    compiled function made Dynamo raise inside the wrapper: `fullgraph=True` failed, and without it
+    Dynamo gave up on the whole larger function and ran it eagerly (seen on torch 2.11.0; 2.13 reads
+    the real export flag). Below 2.13 the wrapper is rebuilt from the same code object (Dynamo
+    recognises the top frame by that object) and closure, its globals those of a module whose
+    `torch.compiler.is_exporting` Dynamo folds to False."""
+    wrapper = _nonrecursive_disable_wrapper(fn)
+    if _major_minor(torch.__version__) >= (2, 13):
+        return wrapper
+    module = _not_exporting_module()
+    rebuilt = types.FunctionType(wrapper.__code__, vars(module), wrapper.__name__, None, wrapper.__closure__)
+    return functools.update_wrapper(rebuilt, fn)
 
 
 def _major_minor(version: str) -> tuple[int, int]:

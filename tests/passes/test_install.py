@@ -43,7 +43,7 @@ class _Module(CustomGraphModulePass):
 
 
 # torch 2.11 has no inference-aware pass class (`_compat` gives None): the stand-in base keeps this
-# module importable there; the one test that uses `_Aware` skips without the real class
+# module importable there; the tests that use `_Aware` skip without the real class
 class _Aware(CustomInferenceAwareGraphPass or CustomGraphPass):
     def __init__(self, log: list) -> None:
         self.log = log
@@ -243,9 +243,7 @@ def test_a_sequential_root_compiles_as_one_graph(fake_world8):
 def test_compiled_inside_a_larger_function_warns_unless_active(fake_world8):
     """A wrapped model traced inside `torch.compile(fn)` gets no passes unless `active(model)` is
     around the call: that used to be silent; now the first trace warns (once), and with `active`
-    the pass runs and nothing warns. Torch 2.11's Dynamo does not trace into the model's wrapped
-    `forward` from the outer function: the model then compiles as its own graphs, with the pass,
-    and there is nothing to warn about. Never allowed: no pass and no warning."""
+    the pass runs and nothing warns."""
     import warnings
 
     import torch
@@ -254,10 +252,7 @@ def test_compiled_inside_a_larger_function_warns_unless_active(fake_world8):
     from simplefsdp.passes.install import active, pass_of
 
     def build():
-        # a class per model: compiled apart (torch 2.11), two models of one class and one pass
-        # configuration share compiled code, and the second's pass would count no graphs
-        net = type("Net", (torch.nn.Sequential,), {})
-        return simplefsdp.wrap(net(*(torch.nn.Linear(8, 8) for _ in range(2))))
+        return simplefsdp.wrap(torch.nn.Sequential(*(torch.nn.Linear(8, 8) for _ in range(2))))
 
     model = build()
     step = torch.compile(lambda x: model(x).sum(), backend="simplefsdp_aot_eager")
@@ -265,11 +260,8 @@ def test_compiled_inside_a_larger_function_warns_unless_active(fake_world8):
         warnings.simplefilter("always")
         step(torch.randn(2, 8)).backward()
         step(torch.randn(3, 8)).backward()  # a recompile (new shape) does not warn again
-    warned = sum("larger compiled function" in str(w.message) for w in caught)
-    if pass_of(model).graphs == 0:  # inlined into the outer graph (torch >= 2.13): no pass, so one warning
-        assert warned == 1
-    else:  # compiled apart, with the pass (torch 2.11)
-        assert (warned, pass_of(model).merged > 0) == (0, True)
+    assert sum("larger compiled function" in str(w.message) for w in caught) == 1
+    assert pass_of(model).graphs == 0, "no active pass, no pass run"
 
     model = build()
     step = torch.compile(lambda x: model(x).sum(), backend="simplefsdp_aot_eager")

@@ -1,5 +1,6 @@
-"""bench/_scoreboard_report.py's host-speed line ([Note: the host's speed, twice] in bench/scoreboard.py):
-pure functions on hand-made rows, no run."""
+"""bench/_scoreboard_report.py's host-speed line ([Note: the host's speed, twice] in bench/scoreboard.py)
+and the scoreboard's refusal of torch's passes on uneven shards before torch 2.13: pure functions on
+hand-made rows and models, no run."""
 
 from __future__ import annotations
 
@@ -8,6 +9,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 import _scoreboard_report as report  # bench/ is not a package: its scripts import it the same way
+import pytest
+import scoreboard
+import torch
 
 
 def _row(label: str, measured_s: float, predicted_s: float | None) -> dict:
@@ -40,3 +44,13 @@ def test_host_speed_line_counts_predictions_as_made_and_scaled_by_the_host():
     assert line in table
     # no prediction anywhere (e.g. --no-predict): no count
     assert report._host_speed_counts({"eager": rows["eager"]}, host) == ""
+
+
+def test_torch_passes_refuse_uneven_shards_before_torch_2_13():
+    """[Note: torch 2.11's FX bucketing and uneven shards]: refused by name below 2.13, not at or above."""
+    model = torch.nn.Sequential(torch.nn.Embedding(68, 4), torch.nn.Linear(4, 67))
+    scoreboard.check_torch_passes(model, 2, version="2.13.0")
+    scoreboard.check_torch_passes(torch.nn.Embedding(68, 4), 2, version="2.11.0")
+    refused = r"torch 2\.11\.0\+cu130's own FX bucketing .* 1\.weight has 67 rows over 2 ranks"
+    with pytest.raises(ValueError, match=refused):
+        scoreboard.check_torch_passes(model, 2, version="2.11.0+cu130")
