@@ -94,7 +94,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 import simplefsdp
 from simplefsdp import gloo
-from simplefsdp._compat import functorch_config, inductor_config
+from simplefsdp._compat import functorch_config, inductor_config, major_minor
 from simplefsdp.calibrate import measure, profile_from
 from simplefsdp.calibrate.high_water import tensor_high_water_bytes
 from simplefsdp.inspect import dry_run
@@ -187,8 +187,7 @@ def check_torch_passes(model: nn.Module, world: int, *, version: str = torch.__v
     do not divide by the ranks (the tiny configuration with a vocabulary of 67 over 2 ranks; 68 runs):
     the ranks then issue different collectives. torch 2.13 runs both. Refused up front, by name,
     before any rank can hang or abort on it."""
-    major, minor = (int(part) for part in version.split(".")[:2])
-    if (major, minor) >= (2, 13):
+    if major_minor(version) >= (2, 13):
         return
     for name, param in model.named_parameters():
         if param.shape[0] % world:

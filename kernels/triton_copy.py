@@ -56,6 +56,7 @@ import torch
 import triton
 import triton.language as tl
 
+from simplefsdp._compat import major_minor
 from simplefsdp.kernels import launch
 
 __all__ = ["DTYPE_CODES", "interpreter_problem", "launch_bucket", "pack", "supports", "unpack"]
@@ -84,11 +85,6 @@ _TABLE_CACHE = 512  # device tables kept (a few per bucket and op: ~100 bytes a 
 _tables: collections.OrderedDict[tuple[str, int, tuple[int, ...]], tuple[torch.Tensor, int]] = collections.OrderedDict()
 
 
-def _version(text: str) -> tuple[int, int]:
-    major, minor = text.split(".")[:2]
-    return int(major), int("".join(c for c in minor if c.isdigit()) or 0)
-
-
 def interpreter_problem(*, triton_version: str | None = None, numpy_version: str | None = None) -> str | None:
     """[Note: Triton 3.6's interpreter and NumPy 2.4]
     Triton's interpreter turns a one-element program-id array into a loop bound with `int(array)`,
@@ -105,7 +101,7 @@ def interpreter_problem(*, triton_version: str | None = None, numpy_version: str
         return None
     triton_version = triton_version or triton.__version__
     numpy_version = numpy_version or numpy.__version__
-    if _version(triton_version) < (3, 7) and _version(numpy_version) >= (2, 4):
+    if major_minor(triton_version) < (3, 7) and major_minor(numpy_version) >= (2, 4):
         return (
             f"Triton {triton_version}'s interpreter cannot run under NumPy {numpy_version} "
             "(triton-lang/triton#9171): install numpy<2.4, or a newer Triton"

@@ -61,6 +61,7 @@ import re
 import sys
 import types
 import weakref
+from collections.abc import Callable
 
 import torch
 
@@ -359,7 +360,7 @@ def _not_exporting_module() -> types.ModuleType:
     return sys.modules[name]
 
 
-def eager_top_frame(fn):
+def eager_top_frame(fn: Callable) -> Callable:
     """[Note: torch 2.11 folds is_exporting]
     The wrapper's code raises when `torch.compiler.is_exporting()` (torch.export refuses it). Dynamo
     2.11 folds that call to True under *every* compile, so a wrapped model called from a larger
@@ -369,14 +370,14 @@ def eager_top_frame(fn):
     recognises the top frame by that object) and closure, its globals those of a module whose
     `torch.compiler.is_exporting` Dynamo folds to False."""
     wrapper = _nonrecursive_disable_wrapper(fn)
-    if _major_minor(torch.__version__) >= (2, 13):
+    if major_minor(torch.__version__) >= (2, 13):
         return wrapper
     module = _not_exporting_module()
     rebuilt = types.FunctionType(wrapper.__code__, vars(module), wrapper.__name__, None, wrapper.__closure__)
     return functools.update_wrapper(rebuilt, fn)
 
 
-def _major_minor(version: str) -> tuple[int, int]:
+def major_minor(version: str) -> tuple[int, int]:
     """(2, 13) for "2.13.0+cpu", "2.13.0a0+git1234" or "2.13.0.dev20260101"."""
     major, minor = version.split(".")[:2]
     return int(major), int("".join(c for c in minor if c.isdigit()) or 0)
@@ -390,7 +391,7 @@ def init_fake_process_group(*, rank: int, world_size: int) -> None:
     Older releases need a store: the fallback takes the `FakeStore` from
     `torch.testing._internal.distributed.fake_pg`, the only place torch defines one (importing it
     also registers the backend); there is no public alternative there."""
-    if _major_minor(torch.__version__) >= (2, 13):
+    if major_minor(torch.__version__) >= (2, 13):
         dist.init_process_group("fake", rank=rank, world_size=world_size)
         return
     from torch.testing._internal.distributed.fake_pg import FakeStore  # pragma: no cover - torch < 2.13
@@ -487,6 +488,7 @@ __all__ = [
     "inductor_config",
     "init_backend_registration",
     "init_fake_process_group",
+    "major_minor",
     "min_cut_rematerialization_partition",
     "module_fqn",
     "reduce_scatter_single",
