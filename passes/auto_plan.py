@@ -23,8 +23,10 @@ Issuing a collective holds the calling thread (`cost.launch_seconds`), each coll
 compiled step what calibration measured beyond that (`cost.step_collective_seconds`), and a bucket
 of two or more members adds its copy ops' calls (`cost.copy_call_seconds`: copy-in and copy-out for
 a gather, copy-in for a reduction); no overlap hides any of these. At prefetch depth 0 each gather
-is also waited right after its launch (at depth 1 only the first), which calibration measured a
-price for as well (`cost.step_exposed_wait_seconds`). Where the profile measured them,
+is also waited right after its launch (at depth 1 only the first), which calibration may have
+measured a price for (`cost.step_exposed_wait_seconds`); at depth 1 the others, and the reductions
+(waited after later compute), run behind compute, which it may have priced instead
+(`cost.step_hidden_seconds`; a profile prices one of the two). Where the profile measured them,
 the plan charges them per bucket (`bucket_fixed_seconds`), so many small buckets pay for their
 count, as they do in the dry run's schedule; a named profile measures none of them, and the plan is
 then the same as without.
@@ -90,9 +92,10 @@ def plan_auto(
         return cost.collective_seconds(device, kind=issued[key], nbytes=full, world=key.group_size)
 
     def plan(windows_s: list[float], cap: int, *, waited_at_launch: bool = False) -> tuple[list[Bucket], float]:
+        waited = cost.step_exposed_wait_seconds(device) if waited_at_launch else cost.step_hidden_seconds(device)
+
         def fixed_s(key: MergeKey, nbytes: int, members: int) -> float:
-            seconds = bucket_fixed_seconds(device, key=key, nbytes=nbytes, members=members)
-            return seconds + (cost.step_exposed_wait_seconds(device) if waited_at_launch else 0.0)
+            return bucket_fixed_seconds(device, key=key, nbytes=nbytes, members=members) + waited
 
         model = {"windows_s": windows_s, "comm_s": comm_s, "overlap": device.overlap, "fixed_s": fixed_s}
         buckets = plan_by_cost(candidates, cap_bytes=cap, **model)
@@ -108,7 +111,7 @@ def plan_auto(
         cap = cap_bytes if budget_bytes is None else max(1, min(cap_bytes, budget_bytes // (depth + 1) // world))
         buckets, exposed = plan(windows if depth else [0.0] * len(windows), cap, waited_at_launch=not depth)
         if depth and buckets:  # the first gather has nothing to run behind: waited right after its launch
-            exposed += cost.step_exposed_wait_seconds(device)
+            exposed += cost.step_exposed_wait_seconds(device) - cost.step_hidden_seconds(device)
         if best is None or exposed < best.exposed_s:  # a tie keeps the shallower, cheaper in memory
             best = AutoPlan(buckets=buckets, prefetch_depth=depth, exposed_s=exposed)
     return best

@@ -41,7 +41,7 @@ rank plans; they do not predict wall time to the microsecond.
 
 [Note: what a training step adds]
 What a training step pays that a collective timed back to back, or a roofline, does not show. All
-seven are measured by `simplefsdp calibrate`; the named profiles leave them at zero / memory bound
+nine are measured by `simplefsdp calibrate`; the named profiles leave them at zero / memory bound
 (and compute at the roofline).
 - Compute as compiled: the roofline takes the matmul rate of one large square matmul and the
   bandwidth of one large copy, timed for a fraction of a second each. On the 2-core host that
@@ -114,6 +114,16 @@ seven are measured by `simplefsdp calibrate`; the named profiles leave them at z
   probe tells the two apart (the same buckets with and without reordering, per block and small),
   `step_exposed_wait_s` holds it, and the schedule adds it to the stall of each wait with no
   compute since its launch (`step_exposed_wait_seconds`).
+- What is left per collective run behind compute: the same split can come out the other way. With
+  gloo on one worker thread (`simplefsdp/gloo.py`), 2 ranks on the 2 cores, the probe's reordered
+  plans ran slower than their unreordered twins (56.2 against 50.0 ms, 117.3 against 103.7; the
+  model had them 7.5 and 11.7 ms faster) while its plans waited at once cost it no more per
+  collective than the rest: a collective whose transfer runs beside compute takes that compute's
+  core for a while, beyond what the overlap share, measured on a loop of one bucket-sized gather,
+  charges. A per-wait term would have to go negative to fit that; `step_hidden_s` holds it as a
+  positive price per collective with compute between its launch and its wait, paid at that wait
+  (`step_hidden_seconds`). The two are one signed quantity (every collective is one or the other),
+  so calibration fits at most one of them (`fit.fit_step_probe`).
 """
 
 from __future__ import annotations
@@ -148,6 +158,7 @@ __all__ = [
     "seconds_of",
     "step_collective_seconds",
     "step_exposed_wait_seconds",
+    "step_hidden_seconds",
     "wake_seconds",
 ]
 
@@ -191,6 +202,7 @@ class DeviceProfile:
     copy_ops: tuple[tuple[str, float, float], ...] = ()  # (op, seconds per call, seconds per member tensor)
     step_collective_s: float = 0.0  # what else each collective costs a compiled step (measured in one)
     step_exposed_wait_s: float = 0.0  # what else waiting one with no compute since its launch costs (same)
+    step_hidden_s: float = 0.0  # what else one with compute between its launch and its wait costs (same)
     compute_scale: float = 1.0  # wall seconds of compiled compute per roofline second (1: the roofline)
     backend: str = ""  # the communication backend it describes ("nccl", "gloo"; "": unknown), for dry runs
 
@@ -211,12 +223,11 @@ class DeviceProfile:
             raise ValueError(f"device profile {self.name!r}: drift_span_s must be > 0 or None: {self}")
         if self.capacity_bytes is not None and not self.capacity_bytes > 0:
             raise ValueError(f"device profile {self.name!r}: capacity_bytes must be > 0 or None: {self}")
-        step = (self.step_collective_s, self.step_exposed_wait_s)
+        step = (self.step_collective_s, self.step_exposed_wait_s, self.step_hidden_s)
         if self.wake_s < 0 or not self.wake_tau_s > 0 or self.drift < 0 or min(step) < 0:
             raise ValueError(
-                f"device profile {self.name!r}: wake_s, drift, step_collective_s and step_exposed_wait_s "
-                "must be >= 0 and "
-                f"wake_tau_s > 0: {self}"
+                f"device profile {self.name!r}: wake_s, drift, step_collective_s, step_exposed_wait_s and "
+                f"step_hidden_s must be >= 0 and wake_tau_s > 0: {self}"
             )
         names = [name for name, _, _ in self.optimizers]
         if len(set(names)) != len(names) or set(names) - set(OPTIMIZER_BYTES_PER_ELEMENT):
@@ -316,7 +327,7 @@ def load_profile(path: str | Path) -> DeviceProfile:
         nested = {*_NESTED, "staging"}
         fields = {f.name for f in dataclasses.fields(DeviceProfile)} - nested
         optional = {"overlap", "wake_s", "wake_tau_s", "drift", "drift_span_s", "capacity_bytes"}
-        optional |= {"step_collective_s", "step_exposed_wait_s", "compute_scale", "backend"}
+        optional |= {"step_collective_s", "step_exposed_wait_s", "step_hidden_s", "compute_scale", "backend"}
         missing = sorted(f for f in fields - optional if f not in data)
         if missing:
             raise ValueError(f"missing keys {missing}")
@@ -377,6 +388,13 @@ def step_exposed_wait_seconds(device: DeviceProfile) -> float:
     """Seconds a compiled step pays, beyond the stall, to wait a collective with no compute since its
     launch ([Note: what a training step adds]; 0 where the profile has not measured it)."""
     return device.step_exposed_wait_s
+
+
+def step_hidden_seconds(device: DeviceProfile) -> float:
+    """Seconds a compiled step pays, at the wait, for a collective with compute between its launch and
+    its wait, beyond what the overlap share charges ([Note: what a training step adds]; 0 where the
+    profile has not measured it)."""
+    return device.step_hidden_s
 
 
 def copy_call_seconds(device: DeviceProfile, *, op: str, tensors: int) -> float:

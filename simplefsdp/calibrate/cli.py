@@ -104,6 +104,7 @@ def _describe(profile: DeviceProfile) -> str:
         lines.append(line(name, f"{per_tensor * 1e6:,.1f} us per parameter + {per_element * 1e9:.2f} ns per element"))
     step = f"+{profile.step_collective_s * 1e6:,.0f} us per collective"
     step += f", +{profile.step_exposed_wait_s * 1e6:,.0f} us per wait with no compute since its launch"
+    step += f", +{profile.step_hidden_s * 1e6:,.0f} us per collective run behind compute"
     lines.append(line("in a compiled step", step))
     return "\n".join(lines)
 

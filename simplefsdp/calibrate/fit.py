@@ -26,12 +26,16 @@ Copy-op calls: per op, `seconds + members * seconds_per_tensor` through the `(me
 seconds)` points, by the same `fit_launch`.
 
 Step probe ([Note: what a collective costs a step] in `step_probe.py`): `measured - predicted =
-outside + a * collectives + b * exposed waits` by least squares through the probe's steps (five
-plans), `a, b >= 0` (a term that would go negative is dropped and the other
-refitted alone) -- what each collective, and each wait with no compute since its launch, costs a
-real compiled step beyond what the rest of the profile charges. Plans that cannot tell the two
-apart (two plans, or the exposed waits a fixed share of the collectives) charge it all per
-collective. No probe, no charge.
+outside + a * collectives + b * exposed waits + c * hidden collectives` by least squares through
+the probe's steps (five plans), every term >= 0 -- what each collective, each wait with no compute
+since its launch, and each collective with compute between its launch and its wait, cost a real
+compiled step beyond what the rest of the profile charges. Every collective is exposed or hidden,
+so `b` and `c` are one signed term: where an exposed wait costs more than a hidden collective the
+fit is `a, b`, where less (a collective run behind compute costs more: [Note: what a training step
+adds] in `passes/cost.py`) it is `a, c`; a candidate with a term that would go negative is dropped,
+and each term alone is weighed too. Plans that cannot tell collectives from waits apart (two plans,
+or the exposed waits a fixed share of the collectives) charge it all per collective. No probe, no
+charge.
 
 Compute ([Note: compute as compiled] in `step_probe.py`): `compute_scale = measured / roofline`
 seconds of the probe's compiled forward and backward; not probed (a GPU), 1.
@@ -180,38 +184,50 @@ def _slope(xs: list[float], rs: list[float]) -> float:
     return max(0.0, sum((x - mean_x) * (r - mean_r) for x, r in zip(xs, rs, strict=True)) / spread)
 
 
-def fit_step_probe(points: list[tuple[int, int, float, float]]) -> tuple[float, float]:
-    """(seconds per collective, seconds per exposed wait) through `points` `(collectives, of which
-    exposed, predicted s, measured s)`: `measured - predicted = outside + a * collectives + b *
-    exposed` by least squares, `a, b >= 0` (a term that would go negative is dropped and the other
-    refitted alone; of the fits left, the smallest squared error); see the module docstring. (0, 0)
-    without two plans that differ."""
+def _slopes(x: list[float], y: list[float], rs: list[float]) -> tuple[float, float] | None:
+    """The least-squares slopes of `rs` over `x` and `y` together, with an intercept; None where the
+    two do not separate (one a constant or an affine function of the other)."""
+    cx, cy, cr = ([v - sum(vs) / len(vs) for v in vs] for vs in (x, y, rs))
+    s_xx, s_yy = sum(v * v for v in cx), sum(v * v for v in cy)
+    s_xy = sum(u * v for u, v in zip(cx, cy, strict=True))
+    det = s_xx * s_yy - s_xy * s_xy
+    if not det > 1e-9 * max(s_xx * s_yy, 1.0):
+        return None
+    s_xr = sum(u * v for u, v in zip(cx, cr, strict=True))
+    s_yr = sum(u * v for u, v in zip(cy, cr, strict=True))
+    return (s_yy * s_xr - s_xy * s_yr) / det, (s_xx * s_yr - s_xy * s_xr) / det
+
+
+def fit_step_probe(points: list[tuple[int, int, float, float]]) -> tuple[float, float, float]:
+    """(seconds per collective, per exposed wait, per hidden collective) through `points`
+    `(collectives, of which exposed, predicted s, measured s)`: `measured - predicted = outside + a *
+    collectives + b * exposed + c * hidden` (hidden = collectives - exposed) by least squares, every
+    term >= 0 and at most one of `b`, `c` non-zero (the two are one signed quantity: see the module
+    docstring). Candidates: `a` with `b`, `a` with `c`, each term alone, none; one with a term that
+    would go negative is dropped, and of the rest the smallest squared error wins, the first in that
+    order on a tie. (0, 0, 0) without two plans that differ."""
     if len(points) < 2:
-        return 0.0, 0.0
+        return 0.0, 0.0, 0.0
     ns = [float(n) for n, _, _, _ in points]
     es = [float(e) for _, e, _, _ in points]
+    hs = [n - e for n, e in zip(ns, es, strict=True)]
     rs = [m - p for _, _, p, m in points]
 
-    def error(a: float, b: float) -> float:
-        left = [r - a * n - b * e for n, e, r in zip(ns, es, rs, strict=True)]
+    def error(a: float, b: float, c: float) -> float:
+        left = [r - a * n - b * e - c * h for n, e, h, r in zip(ns, es, hs, rs, strict=True)]
         mean = sum(left) / len(left)
         return sum((x - mean) ** 2 for x in left)
 
-    fits = [(_slope(ns, rs), 0.0), (0.0, _slope(es, rs)), (0.0, 0.0)]
-    center = [[v - sum(vs) / len(vs) for v in vs] for vs in (ns, es, rs)]
-    cn, ce, cr = center
-    s_nn, s_ee = sum(x * x for x in cn), sum(x * x for x in ce)
-    s_ne = sum(x * y for x, y in zip(cn, ce, strict=True))
-    det = s_nn * s_ee - s_ne * s_ne
-    if det > 1e-9 * max(s_nn * s_ee, 1.0):  # the plans separate the two: both at once
-        s_nr = sum(x * y for x, y in zip(cn, cr, strict=True))
-        s_er = sum(x * y for x, y in zip(ce, cr, strict=True))
-        a, b = (s_ee * s_nr - s_ne * s_er) / det, (s_nn * s_er - s_ne * s_nr) / det
-        if a >= 0 and b >= 0:
-            fits.insert(0, (a, b))
-    least = min(error(*ab) for ab in fits)
-    # the first within rounding of the least: both terms, then per collective alone (two plans fit either exactly)
-    return next(ab for ab in fits if error(*ab) <= least * (1 + 1e-9) + 1e-18)
+    fits = []
+    for second, place in ((es, 1), (hs, 2)):  # both at once where the plans separate them
+        both = _slopes(ns, second, rs)
+        if both is not None and min(both) >= 0:
+            fit = [both[0], 0.0, 0.0]
+            fit[place] = both[1]
+            fits.append(tuple(fit))
+    fits += [(_slope(ns, rs), 0.0, 0.0), (0.0, _slope(es, rs), 0.0), (0.0, 0.0, _slope(hs, rs)), (0.0, 0.0, 0.0)]
+    least = min(error(*fit) for fit in fits)
+    return next(fit for fit in fits if error(*fit) <= least * (1 + 1e-9) + 1e-18)
 
 
 def compute_scale(probe: tuple[float, float] | None) -> float:
@@ -236,7 +252,7 @@ def profile_from(measured: Measurements, *, name: str) -> DeviceProfile:
         except ValueError as error:
             raise ValueError(f"{kind}: {error}; was the machine busy? calibrate again on a quieter one") from None
     wake_s, wake_tau_s, drift = fit_wake(measured.wake)
-    per_collective, per_exposed_wait = fit_step_probe(measured.step_probe)
+    per_collective, per_exposed_wait, per_hidden = fit_step_probe(measured.step_probe)
     return DeviceProfile(
         name=name,
         backend="gloo" if is_gloo(measured.backend) else measured.backend,
@@ -263,5 +279,6 @@ def profile_from(measured: Measurements, *, name: str) -> DeviceProfile:
         capacity_bytes=measured.capacity_bytes,
         step_collective_s=per_collective,
         step_exposed_wait_s=per_exposed_wait,
+        step_hidden_s=per_hidden,
         compute_scale=compute_scale(measured.compute_probe),
     )

@@ -16,9 +16,10 @@ not reordered and reordered -- each timed for whole steps (forward, loss, backwa
 predicted by the schedule replay of `simplefsdp.inspect.schedule` on the graphs it compiled, with the
 profile fitted from every other timing. `fit.fit_step_probe` splits the error three ways by least
 squares: a part per collective (`step_collective_s`), a part per wait with no compute since its
-launch (`step_exposed_wait_s`), and a part that grows with neither (time outside the compiled
-graphs, which grows with the model, not with the plan), left out: a plan cannot change it, and a
-different model would not share it.
+launch (`step_exposed_wait_s`) -- or, where those waits cost less than the collectives run behind
+compute, per collective run behind compute instead (`step_hidden_s`) -- and a part that grows with
+neither (time outside the compiled graphs, which grows with the model, not with the plan), left
+out: a plan cannot change it, and a different model would not share it.
 
 Why five plans, not three: with only the first three, the per-wait term rested on the second and
 third plans alone, which differ by 16 exposed waits, so a few milliseconds of noise between two such
@@ -33,6 +34,14 @@ split matters most where ranks outnumber cores: on 4 gloo ranks over 2 cores two
 0.80 and 0.58 ms per wait right after a launch; one term per collective fitted to two plans had
 charged the default plan's overlapped collectives for the unbucketed plan's waits (2.0 ms each on 4
 ranks: +21-25% on `inspect_validate`'s 4-rank rows).
+
+Which way the middle term goes depends on the host. With gloo's two worker threads an exposed wait
+cost more (the numbers above); with one (below), the probe's reordered plans ran slower than their
+unreordered twins -- 56.2 against 50.0 ms and 117.3 against 103.7 (17 and 76 collectives, 2026-12-05)
+-- where the rest of the profile had them 7.5 and 11.7 ms faster, and a per-wait term cannot go
+negative, so the fit charged 0.47 ms per collective and nothing for it: the scoreboard's rows whose
+collectives run behind compute came out 17-23% under their measured steps. The same five plans fit
+0.45 ms per collective and 0.42 ms per collective run behind compute.
 
 The small-bucket plans were withdrawn for a day (2026-12-05): on 2 gloo ranks they aborted a rank
 ("malloc(): unaligned tcache chunk detected") in 6 of 8 runs of 600 steps. AddressSanitizer traced

@@ -14,8 +14,10 @@ per process group. `simulate` replays a post-pass graph in node order with
   (see [Note: what a training step adds] in `passes/cost.py`);
 - a wait stalls the compute clock until its collective has finished; that stall is the
   collective's *exposed* time; a wait with no compute since the launch also stalls for what else
-  such a wait costs a compiled step (`step_exposed_wait_s`, same note); neither step term counts as
-  idle time or compute to a later wake-up ([Note: the step terms add what was measured, no more]);
+  such a wait costs a compiled step (`step_exposed_wait_s`, same note), a wait with compute since
+  the launch what else a collective run behind compute costs one (`step_hidden_s`); no step term
+  counts as idle time or compute to a later wake-up ([Note: the step terms add what was measured,
+  no more]);
 - where communication does not fully run in parallel with compute (a profile's `overlap` below 1:
   on a small CPU host, the communication threads take the compute's cores), the time a collective
   ran behind compute costs the compute clock `(1 - overlap)` of it at the wait, counted as exposed.
@@ -161,9 +163,10 @@ def _close_span(spans: list[ComputeSpan], start: float, end: float, label: str) 
 
 
 # [Note: the step terms add what was measured, no more]
-# Calibration fits `step_collective_s` and `step_exposed_wait_s` as what real steps took beyond the
-# schedule's prediction without them (`fit.fit_step_probe`): `a` per collective and `b` per wait right
-# after its launch, added to that prediction. The replay must charge them the same way, or the fit
+# Calibration fits `step_collective_s`, `step_exposed_wait_s` and `step_hidden_s` as what real steps
+# took beyond the schedule's prediction without them (`fit.fit_step_probe`): `a` per collective, `b`
+# per wait right after its launch and `c` per collective with compute before its wait, added to that
+# prediction. The replay must charge them the same way, or the fit
 # does not carry over: were their seconds idle time of the group's stream, the next collective's
 # wake-up and drift would grow with them, and a step of `N` collectives would gain more than
 # `a * N` -- by how much depending on the compute between collectives, so by model (on the 2-core
@@ -223,9 +226,14 @@ def simulate(
             launch = pending[node.args[0]]
             hidden = max(0.0, min(launch.end_s, clock) - max(launch.start_s, launch.launch_s + launch.issue_s))
             stall = max(0.0, launch.end_s - clock) + (1.0 - device.overlap) * hidden
-            if launch.compute_s == 0.0:  # waited with no compute since its launch: "exposed"
-                charged.add(clock + stall, cost.step_exposed_wait_seconds(device))
-                stall += cost.step_exposed_wait_seconds(device)
+            # waited with no compute since its launch ("exposed"), or run behind compute: what
+            # else each costs a step, paid at the wait ([Note: what a training step adds])
+            if launch.compute_s == 0.0:
+                term = cost.step_exposed_wait_seconds(device)
+            else:
+                term = cost.step_hidden_seconds(device)
+            charged.add(clock + stall, term)
+            stall += term
             if stall:
                 _close_span(spans, span_start, clock, span_label)
                 stalls.append((clock, clock + stall))

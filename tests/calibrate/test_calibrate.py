@@ -103,7 +103,8 @@ def test_quick_calibration_on_two_ranks_round_trips(tmp_path):
     assert small_exposed < small, "small buckets reordered: behind compute"
     assert all(predicted > 0 and measured > 0 for _, _, predicted, measured in probe), probe
     fitted = fit_step_probe([tuple(point) for point in probe])
-    assert (profile.step_collective_s, profile.step_exposed_wait_s) == fitted
+    assert (profile.step_collective_s, profile.step_exposed_wait_s, profile.step_hidden_s) == fitted
+    assert min(fitted[1:]) == 0.0, "exposed waits and hidden collectives: one signed term, at most one priced"
     roofline_s, compute_s = data["measured"]["compute_probe"]  # [Note: compute as compiled]
     assert roofline_s > 0
     assert compute_s > 0
@@ -130,32 +131,58 @@ def test_fit_step_probe_separates_what_every_collective_and_an_exposed_wait_cost
         return n, exposed, predicted, predicted + outside + n * per_collective + exposed * per_wait + noise
 
     plans = [point(116, 116, 0.08), point(15, 15, 0.05), point(15, 2, 0.04)]  # the probe's three plans
-    assert fit_step_probe(plans) == pytest.approx((per_collective, per_wait), rel=1e-9)
+    assert fit_step_probe(plans) == pytest.approx((per_collective, per_wait, 0.0), rel=1e-9)
     noisy = [*plans, point(60, 30, 0.06, noise=5e-4)]
-    a, b = fit_step_probe(noisy)
+    a, b, c = fit_step_probe(noisy)
+    assert c == 0.0
     assert a == pytest.approx(per_collective, rel=0.2), "least squares"
     assert b == pytest.approx(per_wait, rel=0.2), "least squares"
     # a term that would go negative is dropped and the other refitted alone
     only_waits = [(n, e, 0.1, 0.1 + outside + e * per_wait - n * 1e-5) for n, e, _, _ in plans]
-    a, b = fit_step_probe(only_waits)
+    a, b, c = fit_step_probe(only_waits)
     assert a == 0.0
     assert b > 0
-    over = [(n, e, 0.1 + 0.001 * n, 0.2) for n, e, _, _ in plans]
-    assert fit_step_probe(over) == (0.0, 0.0), "over-predicted more with more: nothing charged"
+    assert c == 0.0
+    over = [(n, e, 0.1 + 0.001 * n + 0.01 * (n - e), 0.2) for n, e, _, _ in plans]
+    assert fit_step_probe(over) == (0.0, 0.0, 0.0), "over-predicted more with more of each: nothing charged"
     two = [point(116, 116, 0.08), point(15, 2, 0.04)]
-    assert fit_step_probe(two) == pytest.approx(((101 * per_collective + 114 * per_wait) / 101, 0.0)), (
+    assert fit_step_probe(two) == pytest.approx(((101 * per_collective + 114 * per_wait) / 101, 0.0, 0.0)), (
         "two plans cannot separate the terms: all of it per collective"
     )
-    assert fit_step_probe([point(27, 3, 0.1)]) == (0.0, 0.0), "one plan: no slope"
+    assert fit_step_probe([point(27, 3, 0.1)]) == (0.0, 0.0, 0.0), "one plan: no slope"
     # why five plans: 4 ms of noise apart on the two 15-collective plans moves a three-plan fit's
     # per-wait term by 0.3 ms; the small-bucket pair (70 waits apart) holds it within 0.1 ms
     shaken = [point(116, 116, 0.08), point(15, 15, 0.05, noise=-2e-3), point(15, 2, 0.04, noise=2e-3)]
     assert abs(fit_step_probe(shaken)[1] - per_wait) > 2.5e-4
     five = [*shaken, point(74, 74, 0.07), point(74, 4, 0.07)]
-    a, b = fit_step_probe(five)
+    a, b, _ = fit_step_probe(five)
     assert abs(b - per_wait) < 1e-4
     assert abs(a - per_collective) < 1e-4
-    assert fit_step_probe([]) == (0.0, 0.0), "not probed: no charge"
+    assert fit_step_probe([]) == (0.0, 0.0, 0.0), "not probed: no charge"
+
+
+def test_fit_step_probe_prices_collectives_run_behind_compute_where_they_cost_more():
+    """[Note: what a training step adds], the per-hidden-collective term: when the reordered plans run
+    slower than the plans that wait each collective at once (one gloo worker thread on 2 cores), the
+    fit prices a collective with compute before its wait, not a negative exposed wait; the per-wait
+    fit on the same plans would have had to drop that part."""
+    per_collective, per_hidden, outside = 4.5e-4, 4e-4, 0.003
+
+    def point(n: int, exposed: int, predicted: float, noise: float = 0.0) -> tuple[int, int, float, float]:
+        return n, exposed, predicted, predicted + outside + n * per_collective + (n - exposed) * per_hidden + noise
+
+    five = [point(116, 116, 0.06), point(17, 17, 0.04), point(17, 1, 0.03), point(76, 76, 0.06), point(76, 2, 0.05)]
+    assert fit_step_probe(five) == pytest.approx((per_collective, 0.0, per_hidden), rel=1e-9)
+    a, b, c = fit_step_probe([*five[:4], point(76, 2, 0.05, noise=2e-3)])
+    assert b == 0.0
+    assert a == pytest.approx(per_collective, rel=0.2), "least squares"
+    assert c == pytest.approx(per_hidden, rel=0.2), "least squares"
+    # hidden collectives that cost less than the rest: a per-wait term (the other sign), not a hidden one
+    cheaper = [(n, e, p, p + outside + n * per_collective - (n - e) * 1e-4) for n, e, p, _ in five]
+    a, b, c = fit_step_probe(cheaper)
+    assert c == 0.0
+    assert a == pytest.approx(per_collective - 1e-4, rel=1e-9)
+    assert b == pytest.approx(1e-4, rel=1e-9)
 
 
 def test_fit_wake_recovers_a_saturating_curve_with_drift_and_clamps_noise():

@@ -109,31 +109,37 @@ def test_what_else_a_collective_costs_a_step_is_charged_on_top_hidden_or_exposed
         assert charged.end_s == pytest.approx(plain.end_s + order.count("launch") * 3e-4, rel=1e-9), order
 
 
-def test_a_wait_with_no_compute_since_its_launch_costs_what_calibration_measured():
+@pytest.mark.parametrize("term", ["step_exposed_wait_s", "step_hidden_s"])
+def test_a_wait_costs_what_calibration_measured_for_its_kind(term):
     """[Note: what a training step adds]: `step_exposed_wait_s` is paid at each wait with no compute
-    between it and its launch (the collective's status is "exposed"), and at no other wait."""
+    between it and its launch (the collective's status is "exposed"), `step_hidden_s` at each wait
+    with compute between (status "overlapped" or "partly exposed"), each at no other wait."""
     base = dataclasses.replace(cost.profile("cpu-gloo"), overlap=1.0)
-    device = dataclasses.replace(base, step_exposed_wait_s=5e-4)
-    for order, exposed in (
-        (("launch", "mm", "wait"), 0),
-        (("launch", "wait"), 1),
-        (("launch", "wait", "mm", "launch", "wait"), 2),
-        (("launch", "launch", "wait", "mm", "wait"), 1),
+    device = dataclasses.replace(base, **{term: 5e-4})
+    for order, exposed, hidden in (
+        (("launch", "mm", "wait"), 0, 1),
+        (("launch", "wait"), 1, 0),
+        (("launch", "wait", "mm", "launch", "wait"), 2, 0),
+        (("launch", "launch", "wait", "mm", "wait"), 1, 1),
+        (("launch", "mm", "launch", "mm", "wait", "wait"), 0, 2),
     ):
+        paid = exposed if term == "step_exposed_wait_s" else hidden
         plain = simulate(_graph(*order), device=base, phase="forward")
         charged = simulate(_graph(*order), device=device, phase="forward")
         assert sum(event.status == "exposed" for event in charged.comm) == exposed, order
-        assert charged.end_s == pytest.approx(plain.end_s + exposed * 5e-4, rel=1e-9), order
-        assert charged.exposed_s == pytest.approx(plain.exposed_s + exposed * 5e-4, rel=1e-9), "a stall"
+        assert charged.end_s == pytest.approx(plain.end_s + paid * 5e-4, rel=1e-9), order
+        assert charged.exposed_s == pytest.approx(plain.exposed_s + paid * 5e-4, rel=1e-9), "a stall"
 
 
 def test_the_step_terms_add_what_was_measured_to_a_step_that_wakes_and_drifts():
     """[Note: the step terms add what was measured, no more]: with a wake-up and drift in the
     profile, a step of N collectives, E of them waited right after their launch, gains exactly
     `N * step_collective_s + E * step_exposed_wait_s` -- the fit's own terms -- however much compute
-    runs between them; their seconds are not idle time that wakes the next collective up more."""
+    runs between them; their seconds are not idle time that wakes the next collective up more. The
+    same for `(N - E) * step_hidden_s`, the term a fit prices instead of the per-wait one."""
     base = dataclasses.replace(cost.profile("cpu-gloo"), overlap=1.0, wake_s=2e-3, wake_tau_s=1e-3, drift=0.1)
     device = dataclasses.replace(base, step_collective_s=3e-4, step_exposed_wait_s=5e-4)
+    hidden_device = dataclasses.replace(base, step_collective_s=3e-4, step_hidden_s=4e-4)
     for order, exposed in (
         (("launch", "wait", "mm", "launch", "wait", "mm", "launch", "wait"), 3),
         (("launch", "mm", "wait", "launch", "mm", "wait"), 0),
@@ -144,3 +150,6 @@ def test_the_step_terms_add_what_was_measured_to_a_step_that_wakes_and_drifts():
         assert [e.duration_s for e in charged.comm] == pytest.approx([e.duration_s for e in plain.comm], rel=1e-9)
         added = order.count("launch") * 3e-4 + exposed * 5e-4
         assert charged.end_s == pytest.approx(plain.end_s + added, rel=1e-9), order
+        hidden = simulate(_graph(*order), device=hidden_device, phase="forward")
+        added = order.count("launch") * (3e-4 + 4e-4) - exposed * 4e-4
+        assert hidden.end_s == pytest.approx(plain.end_s + added, rel=1e-9), order

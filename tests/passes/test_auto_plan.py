@@ -98,6 +98,23 @@ def test_a_costly_wait_right_after_the_launch_makes_the_plan_prefetch(fake_world
 
 
 @pytest.mark.slow
+def test_a_costly_collective_behind_compute_makes_the_plan_wait_at_once(fake_world8, tmp_path):
+    """The other sign of the same term: with full overlap and no budget, prefetch depth 1 wins; a
+    profile whose collectives run behind compute cost a second each (`step_hidden_s`) turns that
+    round (at depth 1 every gather but the first is one, at depth 0 none)."""
+    base = dataclasses.replace(cost.profile("cpu-gloo"), name="full-overlap", overlap=1.0)
+    depths = {}
+    for hidden_s in (0.0, 1.0):
+        path = tmp_path / f"hidden-{hidden_s}.json"
+        cost.save_profile(dataclasses.replace(base, step_hidden_s=hidden_s), path)
+        graphs, graph_pass = _compile(BucketConfig(plan="auto", device=str(path)))
+        depths[hidden_s] = (1 if graph_pass.reorders[0].budgets[0] else 0, len(_gathers(graphs.forward)))
+    assert depths[0.0][0] == 1, depths
+    assert depths[1.0][0] == 0, depths
+    assert depths[0.0][1] >= 2, "at depth 1 every gather but the first runs behind compute"
+
+
+@pytest.mark.slow
 def test_the_plan_is_a_function_of_graph_profile_and_budget(fake_world8, tmp_path):
     config = BucketConfig(plan="auto", device=_profile_file(tmp_path, overlap=0.5), memory_budget=0.5)
     first, _ = _compile(config)

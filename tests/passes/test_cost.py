@@ -155,6 +155,7 @@ def test_profile_file_round_trips_the_step_terms(tmp_path):
         copy_ops=(("all_gather_copy_out", 3e-5, 7e-6), ("reduce_scatter_copy_in", 2e-5, 2e-6)),
         step_collective_s=3e-4,
         step_exposed_wait_s=5e-4,
+        step_hidden_s=2e-4,
         compute_scale=1.2,
         backend="gloo",
     )
@@ -177,12 +178,13 @@ def test_profile_file_round_trips_the_step_terms(tmp_path):
         dataclasses.replace(H100, copy_ops=(("all_gather_copy_in", 1e-5, -1e-6),))
     with pytest.raises(ValueError, match=r"optimizers must be at most one each of .*got \['adam'\]"):
         dataclasses.replace(H100, optimizers=(("adam", 1e-4, 1e-9),))
-    terms = "wake_s, drift, step_collective_s and step_exposed_wait_s must be >= 0"
+    terms = "wake_s, drift, step_collective_s, step_exposed_wait_s and step_hidden_s must be >= 0"
     for field, value in (
         ("wake_s", -1.0),
         ("drift", -0.1),
         ("step_collective_s", -1e-4),
         ("step_exposed_wait_s", -1e-4),
+        ("step_hidden_s", -1e-4),
     ):
         with pytest.raises(ValueError, match=terms):
             dataclasses.replace(H100, **{field: value})
