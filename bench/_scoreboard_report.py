@@ -182,6 +182,42 @@ def markdown(document: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+# Where a label may sit, in points from its point, with its horizontal alignment: right of it, then
+# below, left, above and below that, further out. The first that overlaps no label placed before wins.
+_LABEL_SPOTS = (
+    ((4, 3), "left"),
+    ((4, -10), "left"),
+    ((-4, 3), "right"),
+    ((-4, -10), "right"),
+    ((4, 12), "left"),
+    ((4, -19), "left"),
+    ((-4, 12), "right"),
+    ((-4, -19), "right"),
+)
+
+
+def _place_labels(fig, ax, labels: list[tuple[str, tuple[float, float]]]) -> None:
+    """Annotate each point with its label at the first spot of `_LABEL_SPOTS` whose text box overlaps
+    no label placed before it (the first spot where every one does): deterministic, in `labels`
+    order. Call once the axes' limits and layout are final: the boxes are measured on the canvas."""
+    renderer = fig.canvas.get_renderer()
+    placed = []
+    for text, xy in labels:
+        chosen = None
+        for offset, align in _LABEL_SPOTS:
+            note = ax.annotate(text, xy, fontsize=7, xytext=offset, textcoords="offset points", ha=align)
+            box = note.get_window_extent(renderer).expanded(1.02, 1.15)
+            if not any(box.overlaps(other) for other in placed):
+                chosen = (note, box)
+                break
+            note.remove()
+        if chosen is None:  # crowded everywhere: the first spot
+            offset, align = _LABEL_SPOTS[0]
+            note = ax.annotate(text, xy, fontsize=7, xytext=offset, textcoords="offset points", ha=align)
+            chosen = (note, note.get_window_extent(renderer))
+        placed.append(chosen[1])
+
+
 def plot(rows: dict[str, dict], path: Path, *, title: str, frontier_prefix: str) -> None:
     """Step time against peak memory per rank, one point per row; the auto plan's budgets as a line."""
     import matplotlib
@@ -191,17 +227,9 @@ def plot(rows: dict[str, dict], path: Path, *, title: str, frontier_prefix: str)
 
     fig, ax = plt.subplots(figsize=(10, 6.5))
     points = {key: (row["peak_memory_bytes"] / 2**20, row["step_time_s"] * 1e3) for key, row in rows.items()}
-    xs, ys = [x for x, _ in points.values()], [y for _, y in points.values()]
-    span_x, span_y = (max(xs) - min(xs)) or 1.0, (max(ys) - min(ys)) or 1.0
-    labelled: list[tuple[float, float]] = []
     for key, row in rows.items():
         marker = "s" if row.get("strategy") == "SHARD_GRAD_OP" else "o"
-        x, y = points[key]
-        ax.scatter([x], [y], marker=marker, color="tab:red" if key == "ours" else "tab:blue")
-        # a label whose text would run into one already placed next to it goes under its point
-        crowded = any(abs(x - px) < 0.25 * span_x and abs(y - py) < 0.03 * span_y for px, py in labelled)
-        ax.annotate(row["label"], (x, y), fontsize=7, xytext=(4, -10 if crowded else 3), textcoords="offset points")
-        labelled.append((x, y))
+        ax.scatter(*points[key], marker=marker, color="tab:red" if key == "ours" else "tab:blue")
     frontier = sorted(
         (r for k, r in rows.items() if k.startswith(frontier_prefix) or k == "ours-auto"),
         key=lambda r: r["peak_memory_bytes"],
@@ -217,6 +245,10 @@ def plot(rows: dict[str, dict], path: Path, *, title: str, frontier_prefix: str)
     ax.set_xlabel("peak memory per rank, MiB (lower is better; squares: SHARD_GRAD_OP)")
     ax.set_ylabel("step time, ms (lower is better)")
     ax.set_title(title, fontsize=8, wrap=True)
+    ax.margins(x=0.12, y=0.06)  # room for the labels of the outermost points
     fig.tight_layout()
+    ax.set_xlim(ax.get_xlim())  # fixed from here: the labels are placed on the final canvas
+    ax.set_ylim(ax.get_ylim())
+    _place_labels(fig, ax, [(rows[key]["label"], points[key]) for key in rows])
     fig.savefig(path, dpi=120)
     plt.close(fig)

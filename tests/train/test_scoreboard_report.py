@@ -1,6 +1,6 @@
-"""bench/_scoreboard_report.py's host-speed line ([Note: the host's speed, twice] in bench/scoreboard.py)
-and the scoreboard's refusal of torch's passes on uneven shards before torch 2.13: pure functions on
-hand-made rows and models, no run."""
+"""bench/_scoreboard_report.py's host-speed line ([Note: the host's speed, twice] in bench/scoreboard.py),
+its picture's labels, and the scoreboard's refusal of torch's passes on uneven shards before torch
+2.13: pure functions on hand-made rows and models, no run."""
 
 from __future__ import annotations
 
@@ -54,3 +54,31 @@ def test_torch_passes_refuse_uneven_shards_before_torch_2_13():
     refused = r"torch 2\.11\.0\+cu130's own FX bucketing .* 1\.weight has 67 rows over 2 ranks"
     with pytest.raises(ValueError, match=refused):
         scoreboard.check_torch_passes(model, 2, version="2.11.0+cu130")
+
+
+def _overlapping(boxes: list) -> list[tuple[int, int]]:
+    return [(i, j) for i in range(len(boxes)) for j in range(i + 1, len(boxes)) if boxes[i].overlaps(boxes[j])]
+
+
+def test_labels_of_crowded_points_do_not_overlap():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    # four points as close as the scoreboard's budget rows, long labels as theirs
+    points = [(68.1, 202.6), (69.9, 209.1), (71.3, 193.3), (70.0, 200.0)]
+    labels = [(f"simplefsdp compiled, auto plan, budget 0.{i}", xy) for i, xy in enumerate(points)]
+    fig, ax = plt.subplots(figsize=(10, 6.5))
+    ax.set_xlim(55, 140)
+    ax.set_ylim(120, 390)
+    renderer = fig.canvas.get_renderer()
+    for text, xy in labels:  # the control: every label at the first spot overlaps another
+        ax.annotate(text, xy, fontsize=7, xytext=(4, 3), textcoords="offset points")
+    assert _overlapping([t.get_window_extent(renderer) for t in ax.texts])
+    for text in list(ax.texts):
+        text.remove()
+    report._place_labels(fig, ax, labels)
+    assert [t.get_text() for t in ax.texts] == [text for text, _ in labels]
+    assert _overlapping([t.get_window_extent(renderer) for t in ax.texts]) == []
+    plt.close(fig)
