@@ -203,19 +203,17 @@ def _place_labels(fig, ax, labels: list[tuple[str, tuple[float, float]]]) -> Non
     renderer = fig.canvas.get_renderer()
     placed = []
     for text, xy in labels:
-        chosen = None
         for offset, align in _LABEL_SPOTS:
             note = ax.annotate(text, xy, fontsize=7, xytext=offset, textcoords="offset points", ha=align)
             box = note.get_window_extent(renderer).expanded(1.02, 1.15)
             if not any(box.overlaps(other) for other in placed):
-                chosen = (note, box)
                 break
             note.remove()
-        if chosen is None:  # crowded everywhere: the first spot
+        else:  # crowded everywhere: the first spot
             offset, align = _LABEL_SPOTS[0]
             note = ax.annotate(text, xy, fontsize=7, xytext=offset, textcoords="offset points", ha=align)
-            chosen = (note, note.get_window_extent(renderer))
-        placed.append(chosen[1])
+            box = note.get_window_extent(renderer)
+        placed.append(box)
 
 
 def plot(rows: dict[str, dict], path: Path, *, title: str, frontier_prefix: str) -> None:
