@@ -14,28 +14,35 @@ shape with all strides 0 (one element of storage), so autograd accumulates the u
 gradient in `sink.grad`, in the reduction dtype, across micro-batches for free. Leaving `no_sync`
 moves `sink.grad` into `pending`. The next forward outside `no_sync` gathers normally and passes
 the full tensor through `_AddPending`, whose backward adds the pending sum to the gradient before
-the one reduction, in the reduction dtype (see [Note: the deferred sum meets the gradient in
+the one reduction, in the reduction dtype, and zeroes the sum (see [Note: the deferred sum meets the gradient in
 reduce_dtype] in `gather.py`).
 
 [Note: when deferred sums are reduced, and when they are dropped]
 `.grad` behaves as under DDP's `no_sync` (or FSDP2's `set_requires_gradient_sync(False)`), where
 the micro-batches' sums wait in `.grad` for the synchronizing backward:
-- A sum is reduced once, by the synchronizing micro-batch: the first forward of the wrapped root
-  outside `no_sync` with grad enabled. A parameter that forward uses adds its sum to its gradient
-  before the reduction its backward runs anyway. The sums of the parameters it does not use are
-  reduced into their `.grad` right after that forward, each by itself, through the same reduction
-  (`gather.reduce_pending`). So once the synchronizing backward is done, every parameter's `.grad`
-  holds all its micro-batches' reduced gradients, `optimizer.step()` can follow, and nothing is
-  carried into the next step. `reduce_pending(model)` does the same on demand, for a loop whose
-  last micro-batch ran inside `no_sync`.
+- A sum reaches the gradient exactly once, when a backward consumes it. Every forward of the wrapped
+  root outside `no_sync` with grad enabled adds the pending sum of each parameter it uses to that
+  parameter's gradient, before the reduction its backward runs anyway; the sum stays pending, and
+  the backward that adds it also zeroes it in place (`_AddPending`). So a forward that is never
+  backpropagated -- a metric or logging forward, an exception before backward -- loses nothing: the
+  next forward adds the sum again. Two forwards backpropagated together (`(loss1 + loss2).backward()`)
+  both carry the sum, and whichever backward runs first adds it; the other adds zeros. The sums of
+  the parameters such a forward does not use are reduced into their `.grad` right after it, each by
+  itself, through the same reduction (`gather.reduce_pending`). So once a synchronizing backward is
+  done, every parameter's `.grad` holds all its micro-batches' reduced gradients, `optimizer.step()`
+  can follow, and nothing is carried into the next step. `reduce_pending(model)` reduces every sum
+  on demand, for a loop whose last micro-batch ran inside `no_sync`.
 - A sum is dropped with its parameter's `.grad`: from the end of the `no_sync` block that left it,
   a parameter with a deferred sum has a `.grad` (zeros if it had none: what is reduced so far), and
-  whatever clears that -- `optimizer.zero_grad()`, `model.zero_grad()`, to None or in place, or
-  `param.grad = None` -- discards the sum too, as it would discard DDP's. Whether `.grad` is still
+  whatever clears or changes that -- `optimizer.zero_grad()`, `model.zero_grad()`, to None or in
+  place, `param.grad = None`, or the backward that consumed the sum accumulating into it -- discards
+  the sum too (a consumed sum is zeros by then), as it would discard DDP's. Whether `.grad` is still
   the same tensor with the same version counter is checked when a `no_sync` block opens or closes
-  and before the synchronizing forward; a zero_grad inside an open block therefore drops only the
-  sums of earlier blocks, and one between the synchronizing forward and its backward is too late
-  (the sums are in the backward graph by then).
+  and before each forward that would add the sums; a zero_grad inside an open block therefore drops
+  only the sums of earlier blocks, and one between a forward and its backward is too late (the sums
+  are in the backward graph by then).
+- A consumed sum's memory is released at that check, at the next forward or `no_sync` block: until
+  then it stays allocated (zeros), as it was during the micro-batches' backwards.
 
 Costs: while deferring, each rank holds every trainable parameter's full gradient in the
 reduction dtype (as DDP and FSDP do in `no_sync`), on top of the sharded model. The default -- a
@@ -87,7 +94,8 @@ class Accumulation:
 
     Invariant: every sum in `pending` has an entry in `watched` (rebuilt by each `collect`), and is
     valid only while its parameter's `.grad` is the watched tensor at the watched version (see the
-    module's notes); entries of sums already taken are left over and ignored.
+    module's notes); entries of sums already reduced are left over and ignored. `used` holds the
+    parameters whose sums the current forward added (emptied when a forward begins).
     """
 
     depth: int = 0  # open no_sync blocks; deferring while > 0
@@ -95,6 +103,7 @@ class Accumulation:
     sinks: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)  # fqn -> zero-stride leaf
     pending: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)  # fqn -> unreduced sum
     watched: dict[str, tuple[weakref.ref, int]] = dataclasses.field(default_factory=dict)  # fqn -> (.grad, version)
+    used: set[str] = dataclasses.field(default_factory=set)
 
     @property
     def deferring(self) -> bool:
@@ -104,9 +113,13 @@ class Accumulation:
         """Whether a root forward now is the synchronizing one: outside `no_sync`, grad enabled, sums pending."""
         return not self.deferring and torch.is_grad_enabled() and bool(self.pending)
 
-    def take_pending(self, fqn: str) -> torch.Tensor | None:
-        """The deferred gradient sum of parameter `fqn`, removed from the state (None if there is none)."""
-        return self.pending.pop(fqn, None)
+    def use_pending(self, fqn: str) -> torch.Tensor | None:
+        """The deferred gradient sum of parameter `fqn` for a forward to add (None if there is none). It
+        stays pending: the backward that adds it zeroes it (see the module's notes)."""
+        pending = self.pending.get(fqn)
+        if pending is not None:
+            self.used.add(fqn)
+        return pending
 
     def add_parameter(
         self, fqn: str, param: DTensor, *, grad_dtype: torch.dtype, reduce: Callable[[torch.Tensor], None]
@@ -151,10 +164,13 @@ class Accumulation:
                     param.grad = torch.zeros_like(param)
             self.watched[fqn] = (weakref.ref(param.grad), version_counter(param.grad))
 
-    def reduce_all(self) -> None:
-        """Reduce every pending sum into its parameter's `.grad` (a collective: all ranks at once)."""
+    def reduce_all(self, *, except_used: bool = False) -> None:
+        """Reduce every pending sum into its parameter's `.grad` (a collective: all ranks at once);
+        `except_used`: not those the current forward added."""
+        skip = self.used if except_used else set()
         with torch.enable_grad():
-            for fqn in [fqn for fqn in self.params if fqn in self.pending]:  # one order on every rank
+            # in the order of `params`: one order on every rank
+            for fqn in [fqn for fqn in self.params if fqn in self.pending and fqn not in skip]:
                 self.params[fqn].reduce(self.pending.pop(fqn))
 
 
@@ -173,17 +189,25 @@ class _Tap(torch.autograd.Function):
 
 class _AddPending(torch.autograd.Function):
     """Identity on `full`; its gradient gets `pending` added, in the wider of the two dtypes (the
-    caller gives `full` a dtype at least as wide as `pending`'s, so nothing is rounded here)."""
+    caller gives `full` a dtype at least as wide as `pending`'s, so nothing is rounded here), and
+    `pending` is zeroed: a sum several graphs carry is added by the first backward only.
+
+    `pending` is kept on `ctx` rather than saved with `save_for_backward`: the saved-tensor version
+    check would refuse the second graph's backward after the first zeroed the shared sum, and that
+    zeroing is the point. Compiled, AOTAutograd keeps a forward input's in-place update in the
+    backward graph (for an input that does not require grad, as the sum does not).
+    """
 
     @staticmethod
     def forward(ctx, full: torch.Tensor, pending: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(pending)
+        ctx.pending = pending
         return full.view_as(full)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        (pending,) = ctx.saved_tensors
-        return grad + pending, None
+        with_sum = grad + ctx.pending
+        ctx.pending.zero_()
+        return with_sum, None
 
 
 def tap(full: torch.Tensor, sink: torch.Tensor) -> torch.Tensor:
@@ -207,24 +231,25 @@ def add_pending(full: torch.Tensor, pending: torch.Tensor) -> torch.Tensor:
 @torch.compiler.disable
 def _drop_cleared(state: Accumulation) -> None:
     if state.synchronizing():
+        state.used.clear()
         state.drop_cleared()
 
 
 @torch.compiler.disable
 def _reduce_unused(state: Accumulation) -> None:
     if state.synchronizing():
-        state.reduce_all()
+        state.reduce_all(except_used=True)
 
 
 def _before_forward(module: nn.Module, args: tuple) -> None:
-    """Root forward pre-hook: before the synchronizing forward takes the sums, drop the cleared ones."""
+    """Root forward pre-hook: before a synchronizing forward adds the sums, drop the cleared ones."""
     state = getattr(module, _STATE_ATTR)
     if not torch.compiler.is_compiling() or state.synchronizing():
         _drop_cleared(state)
 
 
 def _after_forward(module: nn.Module, args: tuple, output: object) -> None:
-    """Root forward hook: the sums the synchronizing forward left (parameters it did not use) are reduced now."""
+    """Root forward hook: the sums of parameters the synchronizing forward did not use are reduced now."""
     state = getattr(module, _STATE_ATTR)
     if not torch.compiler.is_compiling() or state.synchronizing():
         _reduce_unused(state)
@@ -251,7 +276,7 @@ def _state(model: nn.Module, caller: str) -> Accumulation:
 @contextlib.contextmanager
 def no_sync(model: nn.Module, *, enabled: bool = True) -> Iterator[None]:
     """Inside the block, backward passes accumulate unsharded gradients without reducing them; the
-    first forward after it (with grad enabled) and its backward reduce them together with its own
+    next backward of a forward outside it (with grad enabled) reduces them together with its own
     (see the module notes).
 
     `enabled=False` makes the block a no-op, for `with no_sync(model, enabled=not last): ...` loops.

@@ -117,7 +117,7 @@ def gather_full(param: DTensor, spec: GatherSpec) -> torch.Tensor:
     if state is not None and state.deferring:
         full = accumulate.tap(_gather(param.detach(), spec), state.sinks[spec.fqn])
     else:
-        pending = state.take_pending(spec.fqn) if state is not None else None
+        pending = state.use_pending(spec.fqn) if state is not None else None
         full = _gather(param, spec, pending)
     if spec.tied_key is not None:
         tied.remember(spec.tied_key, full)

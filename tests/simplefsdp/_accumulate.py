@@ -2,7 +2,9 @@
 every rank and by a single process on the whole batch, with the gradients recorded at each check.
 
 The model has a trunk and two heads; each micro-batch says which heads its loss uses, so a head can
-be left out of the synchronizing micro-batch. Shapes are small and uneven over 2 ranks (the heads'
+be left out of the synchronizing micro-batch. Besides micro-batches, a schedule holds forwards that
+are never backpropagated (one of them interrupted by an exception) and two forwards backpropagated
+together. Shapes are small and uneven over 2 ranks (the heads'
 3-element biases shard 2 + 1), so one schedule runs in well under a second eagerly.
 """
 
@@ -32,9 +34,16 @@ class TwoHeads(nn.Module):
         self.trunk = nn.Linear(DIM, DIM)
         self.heads = nn.ModuleDict({head: nn.Linear(DIM, 3) for head in HEADS})  # repeated blocks: one bucket each
 
-    def forward(self, x: torch.Tensor, heads: tuple[str, ...] = HEADS) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, heads: tuple[str, ...] = HEADS, *, fail: bool = False) -> torch.Tensor:
         hidden = torch.tanh(self.trunk(x))
-        return sum(self.heads[head](hidden).square().mean() for head in heads)
+        loss = sum(self.heads[head](hidden).square().mean() for head in heads)
+        if fail:  # every parameter gathered, then the forward is interrupted
+            raise ForwardInterruptedError
+        return loss
+
+
+class ForwardInterruptedError(Exception):
+    """Raised by `TwoHeads.forward(..., fail=True)`."""
 
 
 def two_heads() -> TwoHeads:
@@ -56,6 +65,22 @@ class Backward:
 
 
 @dataclasses.dataclass(frozen=True)
+class ForwardOnly:
+    """A forward outside `no_sync` with grad enabled that is never backpropagated (a metric or a
+    logging forward); `fail`: interrupted by an exception inside the model. Nothing in the reference."""
+
+    heads: tuple[str, ...]
+    fail: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class BackwardTogether:
+    """Two micro-batches' forwards outside `no_sync`, backpropagated together: `(loss1 + loss2).backward()`."""
+
+    heads: tuple[tuple[str, ...], tuple[str, ...]]
+
+
+@dataclasses.dataclass(frozen=True)
 class ZeroGrad:
     """`how`: "optimizer" (set_to_none), "optimizer-in-place" (set_to_none=False) or "model"."""
 
@@ -72,7 +97,7 @@ class Check:
     """Record every parameter's full gradient (None where it has none)."""
 
 
-Action = Backward | ZeroGrad | ReducePending | Check
+Action = Backward | ForwardOnly | BackwardTogether | ZeroGrad | ReducePending | Check
 Grads = dict[str, torch.Tensor | None]
 
 
@@ -98,9 +123,11 @@ def _run(
     rows: Callable[[torch.Tensor], torch.Tensor],
     defer: Callable[[bool], contextlib.AbstractContextManager[None]],
     reduce_pending: Callable[[], None],
+    forward_only: bool,
 ) -> list[Grads]:
     """Play `schedule`: `rows(x)` is the part of a global micro-batch this process computes on,
-    `defer(sync)` the context a micro-batch's forward and backward run in."""
+    `defer(sync)` the context a micro-batch's forward and backward run in; `forward_only`: whether
+    `ForwardOnly` actions run at all."""
     opt = torch.optim.SGD(model.parameters(), lr=0.1)  # only its zero_grad is used
     checks, index = [], 0
     for action in schedule:
@@ -108,6 +135,15 @@ def _run(
             with defer(action.sync):
                 step_fn(rows(micro_batch(index)), heads=action.heads).backward()
             index += 1
+        elif isinstance(action, ForwardOnly):
+            if forward_only:
+                with contextlib.suppress(ForwardInterruptedError):
+                    step_fn(rows(micro_batch(index)), heads=action.heads, fail=action.fail)
+            index += 1
+        elif isinstance(action, BackwardTogether):
+            first, second = (rows(micro_batch(index + i)) for i in range(2))
+            (step_fn(first, heads=action.heads[0]) + step_fn(second, heads=action.heads[1])).backward()
+            index += 2
         elif isinstance(action, ZeroGrad):
             _zero_grad(model, opt, action.how)
         elif isinstance(action, ReducePending):
@@ -136,6 +172,7 @@ def run_simplefsdp(
         rows=lambda x: x.chunk(world)[rank],
         defer=lambda sync: simplefsdp.no_sync(model, enabled=not sync),
         reduce_pending=lambda: simplefsdp.reduce_pending(model),
+        forward_only=True,
     )
 
 
@@ -149,6 +186,7 @@ def run_reference(schedule: list[Action]) -> list[Grads]:
         rows=lambda x: x,
         defer=lambda sync: contextlib.nullcontext(),
         reduce_pending=lambda: None,
+        forward_only=False,
     )
 
 

@@ -312,6 +312,23 @@ NO_SYNC_SCHEDULES = {
         accumulate.Backward(_A, sync=True),
         accumulate.Check(),
     ],
+    # forwards that are never backpropagated keep the sums for the backward that comes: one using
+    # every parameter, one using head a only (head b's sum is reduced right after it), one interrupted
+    # by an exception inside the model
+    "forwards-not-backpropagated": [
+        accumulate.Backward(_AB, sync=False),
+        accumulate.ForwardOnly(_AB),
+        accumulate.ForwardOnly(_A),
+        accumulate.ForwardOnly(_AB, fail=True),
+        accumulate.Backward(_AB, sync=True),
+        accumulate.Check(),
+    ],
+    # two forwards backpropagated together as loss1 + loss2: the sums added once, not twice
+    "backward-together": [
+        accumulate.Backward(_AB, sync=False),
+        accumulate.BackwardTogether((_AB, _A)),
+        accumulate.Check(),
+    ],
 }
 
 
@@ -331,6 +348,22 @@ def test_no_sync_matches_ddp_semantics(ranks2, backend, schedule):
                 continue
             assert got[fqn] is not None, f"{where}: has no gradient after the synchronizing backward"
             torch.testing.assert_close(got[fqn], value, **FP32_TOL, msg=lambda m, where=where: f"{where}: {m}")
+
+
+@pytest.mark.slow
+def test_no_sync_sum_consumed_once_under_inductor(ranks2):
+    """Inductor keeps the in-place zeroing of a consumed sum in its backward code: a forward never
+    backpropagated, then two backpropagated together, add the sum exactly once."""
+    schedule = [
+        accumulate.Backward(_AB, sync=False),
+        accumulate.ForwardOnly(_AB),
+        accumulate.BackwardTogether((_AB, _A)),
+        accumulate.Check(),
+    ]
+    (ours,) = ranks2.run(accumulate.run_simplefsdp, "inductor", schedule)[0]
+    (want,) = accumulate.run_reference(schedule)
+    for fqn, value in want.items():
+        torch.testing.assert_close(ours[fqn], value, **FP32_TOL, msg=lambda m, fqn=fqn: f"{fqn}: {m}")
 
 
 # Tolerance of the mixed-precision no_sync comparison: the emulated reference performs the same bf16
