@@ -2,10 +2,24 @@
 
 Invariants (for every policy):
 - master parameters, their gradients and the optimizer state keep the dtype the parameter had
-  before `wrap()` (normally fp32);
+  before `wrap()` (normally fp32) -- except that a policy with `param_dtype` set makes the masters of
+  parameters narrower than fp32 fp32 (see [Note: full-precision masters]);
 - the all-gather runs in `param_dtype`, so the module computes with `param_dtype` weights;
 - the gradient reduction (reduce-scatter / all-reduce) runs in `reduce_dtype`, then the reduced
   gradient is cast back to the master dtype.
+
+[Note: full-precision masters]
+A model loaded in bf16 (`from_pretrained(..., dtype=torch.bfloat16)`) and trained under a bf16
+policy would otherwise keep bf16 masters: the optimizer then adds each update to a bf16 weight, and
+an update smaller than half a bf16 unit in the last place of the weight (about 2**-9 of it) is
+rounded away, so training stalls at small learning rates. DeepSpeed keeps fp32 masters for this
+reason, and Accelerate upcasts FSDP's sharded parameters when mixed precision is on. Asking for
+mixed precision (`param_dtype` set) therefore means full-precision masters: `wrap()` casts each
+bf16 / fp16 shard to fp32 once, after sharding (no rank ever holds a full fp32 copy), and logs how
+many bytes per rank that adds. The compute still runs in `param_dtype`; gradients reach the masters
+in fp32 and the optimizer builds its state in fp32 from them. Without a policy (or with
+`param_dtype=None`) parameters keep the dtype they came in: pure bf16 training, with bf16 masters
+and optimizer state, is a bf16 model wrapped without a policy.
 """
 
 from __future__ import annotations
@@ -44,6 +58,14 @@ class MixedPrecisionPolicy:
             dtype = getattr(self, field)
             if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
                 raise ValueError(f"MixedPrecisionPolicy.{field} must be a floating-point torch.dtype, got {dtype!r}")
+
+    def master_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """dtype of the sharded master (and so of its gradient and optimizer state) of a parameter
+        that came in as `dtype`: fp32 for one narrower than fp32 when `param_dtype` is set, else
+        `dtype` (see [Note: full-precision masters])."""
+        if self.param_dtype is not None and dtype.itemsize < torch.float32.itemsize:
+            return torch.float32
+        return dtype
 
     def gather_dtype(self, master: torch.dtype) -> torch.dtype:
         """dtype of the all-gathered (compute) parameter for a master of dtype `master`."""

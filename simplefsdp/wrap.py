@@ -99,6 +99,7 @@ def wrap(
     for group in mesh.get_all_groups():
         gloo.warn_if_racy(group)
     has_tied = _shard_parameters(model, params, settings)
+    _log_upcast_masters(model, params)
     broadcast_replicated(model, mesh)
     _install_on_root(model, settings, passes=passes, has_tied=has_tied)
     logger.info(
@@ -111,6 +112,24 @@ def wrap(
         mp_policy,
     )
     return model
+
+
+def _log_upcast_masters(model: nn.Module, originals: dict[str, nn.Parameter]) -> None:
+    """Say once what [Note: full-precision masters] cost: how many parameters came in narrower than
+    their master, and the bytes per rank that added."""
+    upcast = {fqn: p for fqn, p in model.named_parameters() if fqn in originals and p.dtype != originals[fqn].dtype}
+    if not upcast:
+        return
+    added = sum(p.to_local().numel() * (p.dtype.itemsize - originals[fqn].dtype.itemsize) for fqn, p in upcast.items())
+    dtypes = sorted({str(originals[fqn].dtype).removeprefix("torch.") for fqn in upcast})
+    logger.warning(
+        "simplefsdp.wrap: %d %s parameters get fp32 sharded masters under the mixed-precision policy "
+        "(+%.1f MiB per rank); wrap without mp_policy to train in %s throughout",
+        len(upcast),
+        "/".join(dtypes),
+        added / 2**20,
+        "/".join(dtypes),
+    )
 
 
 def is_wrapped_root(model: nn.Module) -> bool:
@@ -233,9 +252,9 @@ def _shard_parameters(model: nn.Module, params: dict[str, nn.Parameter], setting
             fqn = fqns[id(param)]
             first = id(param) not in sharded
             if first:
-                sharded[id(param)], layouts[id(param)] = _shard(param, settings.mesh, settings.strategy, fqn=fqn)
+                sharded[id(param)], layouts[id(param)] = _shard(param, settings, fqn=fqn)
             tied_key = f"{settings.wrap_id}/{fqn}" if holders[id(param)] > 1 else None
-            specs[name] = _spec(param, settings, fqn=fqn, tied_key=tied_key, layout=layouts[id(param)])
+            specs[name] = _spec(sharded[id(param)], settings, fqn=fqn, tied_key=tied_key, layout=layouts[id(param)])
             if first:
                 settings.accumulation.add_parameter(
                     fqn,
@@ -254,6 +273,7 @@ def _shard_parameters(model: nn.Module, params: dict[str, nn.Parameter], setting
 def _spec(
     param: nn.Parameter, settings: _Settings, *, fqn: str, tied_key: str | None, layout: TensorParallelLayout | None
 ) -> GatherSpec:
+    """How the sharded master `param` is gathered and its gradient reduced."""
     return GatherSpec(
         fqn=fqn,
         mesh_ndim=settings.mesh.ndim,
@@ -267,11 +287,11 @@ def _spec(
     )
 
 
-def _shard(
-    param: nn.Parameter, mesh: DeviceMesh, strategy: ShardingStrategy, *, fqn: str
-) -> tuple[nn.Parameter, TensorParallelLayout | None]:
-    """`param` sharded over `mesh` (a TP DTensor: over `mesh` and its tp mesh, with its layout)."""
-    placements = strategy.placements(param_ndim=param.ndim)
+def _shard(param: nn.Parameter, settings: _Settings, *, fqn: str) -> tuple[nn.Parameter, TensorParallelLayout | None]:
+    """`param` sharded over the mesh (a TP DTensor: over the mesh and its tp mesh, with its layout),
+    cast to its master dtype after sharding (see [Note: full-precision masters] in mixed_precision.py)."""
+    mesh = settings.mesh
+    placements = settings.strategy.placements(param_ndim=param.ndim)
     # distribute_tensor takes rank 0's values, so ranks that initialised differently still agree;
     # a meta parameter has no values: each rank makes its (meta) shard locally.
     source = None if param.is_meta else 0
@@ -282,6 +302,7 @@ def _shard(
         )
     else:
         value = distribute_tensor(param.detach(), mesh, placements, src_data_rank=source)
+    value = value.to(settings.mp_policy.master_dtype(param.dtype))
     sharded = nn.Parameter(value, requires_grad=param.requires_grad)
     sharded.__dict__.update(param.__dict__)  # keep user tags such as `_no_weight_decay`
     return sharded, layout

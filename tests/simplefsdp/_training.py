@@ -36,6 +36,7 @@ class Result:
     grad_dtypes: frozenset[torch.dtype] = frozenset()
     collectives_merged: int = 0  # by simplefsdp's pass, over every graph compiled
     collectives_moved: int = 0
+    state_dtypes: frozenset[torch.dtype] = frozenset()  # of the optimizer's per-element state (not `step`)
 
 
 def batches(steps: int = STEPS) -> list[torch.Tensor]:
@@ -144,7 +145,13 @@ def _train_distributed(
         global_loss = loss.detach().clone()
         dist.all_reduce(global_loss)
         losses.append(global_loss.item() / dp_size)
-    return Result(losses, full_params(model), frozenset(grad_dtypes))
+    state_dtypes = frozenset(
+        value.dtype
+        for state in opt.state.values()
+        for value in state.values()
+        if isinstance(value, torch.Tensor) and value.is_floating_point() and value.ndim > 0
+    )
+    return Result(losses, full_params(model), frozenset(grad_dtypes), state_dtypes=state_dtypes)
 
 
 def _mesh(strategy: simplefsdp.ShardingStrategy) -> DeviceMesh:
@@ -182,6 +189,21 @@ def train_simplefsdp(
     if graph_pass is None:
         return result
     return dataclasses.replace(result, collectives_merged=graph_pass.merged, collectives_moved=graph_pass.moved)
+
+
+def train_loaded(held_dtype: torch.dtype, *, policy: bool = True) -> Result:
+    """FULL_SHARD, eager, a model whose parameters hold bf16 values (what a bf16 checkpoint gives),
+    held in `held_dtype` (bf16: loaded as `from_pretrained(dtype=torch.bfloat16)` loads it; fp32:
+    loaded in fp32); buffers as built. Trained under the bf16 / fp32-reduce policy (`policy`) or none."""
+    model = fresh_model()
+    with torch.no_grad():
+        for param in model.parameters():
+            param.data = param.data.to(torch.bfloat16).to(held_dtype)
+    mp_policy = (
+        simplefsdp.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if policy else None
+    )
+    simplefsdp.wrap(model, mp_policy=mp_policy)
+    return _train_distributed(model, model)
 
 
 def train_fsdp2(strategy: str, *, param_dtype=None, reduce_dtype=None, optimizer: str = "adamw-foreach") -> Result:

@@ -141,6 +141,23 @@ def test_mixed_precision_training(ranks2, backend):
             )
 
 
+def test_bf16_loaded_model_gets_fp32_masters_under_a_policy(ranks2):
+    """A model loaded in bf16 and wrapped under the bf16 policy trains exactly as the same weights
+    loaded in fp32 (its masters, gradients and optimizer state are fp32; bitwise, as both gather the
+    same bf16 values); without a policy it keeps bf16 masters (pure bf16 training)."""
+    bf16 = torch.bfloat16
+    loaded_bf16 = ranks2.run(training.train_loaded, bf16)[0]
+    loaded_fp32 = ranks2.run(training.train_loaded, FP32)[0]
+    assert loaded_bf16.state_dtypes == loaded_fp32.state_dtypes == {FP32}
+    assert loaded_bf16.grad_dtypes == {FP32}
+    assert loaded_bf16.losses == loaded_fp32.losses
+    for fqn, value in loaded_fp32.params.items():
+        assert loaded_bf16.params[fqn].dtype == FP32, fqn
+        assert torch.equal(loaded_bf16.params[fqn], value), fqn
+    pure = ranks2.run(training.train_loaded, bf16, policy=False)[0]
+    assert {p.dtype for p in pure.params.values()} == pure.state_dtypes == {bf16}
+
+
 @pytest.mark.parametrize("optimizer", list(training.OPTIMIZERS))
 def test_optimizers_step_on_sharded_parameters(ranks2, optimizer):
     ours = ranks2.run(training.train_simplefsdp, "FULL_SHARD", "eager", optimizer=optimizer)[0]

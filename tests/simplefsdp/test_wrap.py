@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 
 import pytest
@@ -307,3 +308,28 @@ def test_replicated_state_takes_rank0_values(request, mesh_shape):
     assert states[0]["index"] == [1, 1]
     for rank, state in enumerate(states[1:], start=1):
         assert state == states[0], f"rank {rank} kept its own replicated state"
+
+
+def test_low_precision_parameters_get_fp32_masters_under_a_policy(mesh, caplog):
+    """bf16 parameters under a policy with param_dtype: fp32 shards, logged once with the bytes per
+    rank; without a policy they stay bf16 (see [Note: full-precision masters])."""
+    args = TransformerArgs(vocab_size=67, dim=32, n_layers=2, n_heads=4, ffn_dim=88, max_seq_len=16)
+    model = Transformer(args).to(torch.bfloat16)
+    with caplog.at_level(logging.WARNING, logger="simplefsdp.wrap"):
+        simplefsdp.wrap(model, mesh, mp_policy=simplefsdp.MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+    (record,) = [r for r in caplog.records if "fp32 sharded masters" in r.getMessage()]
+    added = sum(p.to_local().numel() * 2 for p in model.parameters())  # 2 more bytes per element
+    assert f"{len(list(model.parameters()))} bfloat16 parameters" in record.getMessage()
+    assert f"+{added / 2**20:.1f} MiB per rank" in record.getMessage()
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
+    pure = simplefsdp.wrap(Transformer(args).to(torch.bfloat16), mesh)
+    assert {p.dtype for p in pure.parameters()} == {torch.bfloat16}
+
+
+def test_accelerate_mixed_precision_gives_fp32_masters(mesh):
+    """Accelerate's `mixed_precision: bf16` on a model loaded in bf16: fp32 sharded masters, as
+    Accelerate's own FSDP upcasts them."""
+    document = {"distributed_type": "FSDP", "mixed_precision": "bf16", "fsdp_config": {}}
+    model = nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 8)).to(torch.bfloat16)
+    simplefsdp.wrap(model, mesh, **simplefsdp.from_accelerate(document, model=model).wrap_kwargs())
+    assert {p.dtype for p in model.parameters()} == {torch.float32}

@@ -7,6 +7,8 @@ import transformers
 
 import simplefsdp
 from simplefsdp.train import hf_model
+from simplefsdp.train.config import parse_args
+from simplefsdp.train.loop import build_model
 from tests.hf._tiny import llama_config
 
 
@@ -34,3 +36,18 @@ def load_saved_pretrained(directory: str, shard_size: str | None) -> dict[str, t
     buffers = {f"buffer.{k}": v.clone() for k, v in model.named_buffers()}  # incl. non-persistent ones
     saved_buffers = {f"saved.buffer.{k}": v for k, v in saved.named_buffers()}
     return {**loaded, **buffers, **{f"saved.{k}": v for k, v in saved.state_dict().items()}, **saved_buffers}
+
+
+def build_from_bf16(directory: str) -> dict[str, torch.Tensor]:
+    """Rank 0 saves a Llama whose config and weights are bf16; every rank builds it as `simplefsdp
+    train --model DIR --init-from DIR --param-dtype bf16` does (`loop.build_model`). Returns the
+    loaded full state (under its names) and the saved one (under 'saved.')."""
+    torch.manual_seed(1)
+    saved = transformers.LlamaForCausalLM(llama_config(dtype="bfloat16")).to(torch.bfloat16)
+    if torch.distributed.get_rank() == 0:
+        saved.save_pretrained(directory)
+    torch.distributed.barrier()
+    config = parse_args(["--model", directory, "--init-from", directory, "--param-dtype", "bf16", "--backend", "eager"])
+    model = build_model(config, torch.device("cpu")).model
+    loaded = {k: v.full_tensor() for k, v in model.state_dict().items() if hasattr(v, "full_tensor")}
+    return {**loaded, **{f"saved.{k}": v for k, v in saved.state_dict().items()}}

@@ -143,6 +143,18 @@ def test_init_from_reads_the_hugging_face_layouts(ranks2, tmp_path, shard_size):
             assert torch.equal(rank_state[name], rank_state[f"saved.{name}"]), name
 
 
+def test_init_from_a_bf16_checkpoint_gives_fp32_masters(ranks2, tmp_path):
+    """A bf16 config and checkpoint under `--param-dtype bf16`: the model is built in bf16 (the
+    config's dtype) and its sharded masters are fp32, holding the checkpoint's values exactly."""
+    state = ranks2.run(_hf_ranks.build_from_bf16, str(tmp_path / "saved"))[0]
+    names = [k for k in state if not k.startswith("saved.")]
+    assert names
+    for name in names:
+        assert state[f"saved.{name}"].dtype == torch.bfloat16, name
+        assert state[name].dtype == torch.float32, name
+        assert torch.equal(state[name], state[f"saved.{name}"].float()), name
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_a_config_directory_trains_and_its_export_round_trips(tmp_path, llama_dir):
