@@ -36,7 +36,8 @@ def describe_setup(args: argparse.Namespace, world: int) -> dict[str, Any]:
     summary = (
         f"{world} {args.backend} ranks on {_machine()}; Llama-style model, {args.layers} blocks, dim {args.dim}, "
         f"vocab {args.vocab}, batch {args.batch}x{args.seq} per rank, fp32, AdamW; "
-        f"median of {args.steps} steps after {args.warmup} warm-up; torch {torch.__version__}"
+        f"median of {args.steps} steps after {args.warmup} warm-up; inductor buffer reuse "
+        f"{'on' if args.buffer_reuse else 'off'} in every compiled row; torch {torch.__version__}"
     )
     return {
         "summary": summary,
@@ -48,6 +49,7 @@ def describe_setup(args: argparse.Namespace, world: int) -> dict[str, Any]:
         "model": {k: getattr(args, k) for k in ("layers", "dim", "heads", "ffn", "vocab", "seq", "batch")},
         "warmup": args.warmup,
         "steps": args.steps,
+        "buffer_reuse": args.buffer_reuse,
     }
 
 
@@ -148,9 +150,33 @@ def _host_speed_counts(rows: dict, host: dict) -> str:
     )
 
 
+# The baselines each row is compared with, by strategy: FSDP2 eager, then the strongest like-for-like
+# ones -- FSDP2 with each block compiled, and torch's own passes on simplefsdp's front end
+BASELINES = {
+    "FULL_SHARD": (("FSDP2 eager", "fsdp2"), ("FSDP2 + compile", "fsdp2-compile"), ("torch's passes", "torch-passes")),
+    "SHARD_GRAD_OP": (
+        ("FSDP2 eager", "fsdp2-zero2"),
+        ("FSDP2 + compile", "fsdp2-compile-zero2"),
+        ("torch's passes", "torch-passes-zero2"),
+    ),
+}
+TWIN = "~reuse-"  # scoreboard.py's suffix of a row compiled with buffer reuse forced
+
+
+def _versus(rows: dict, key: str, baseline: str) -> str:
+    """Speed / memory of row `key` against `baseline` of the same buffer-reuse setting (a twin row
+    against the baseline's twin when it ran), as "1.28x / 0.90x"; "-" if absent or the row itself."""
+    twin = key[key.index(TWIN) :] if TWIN in key else ""
+    other = rows.get(baseline + twin, rows.get(baseline))
+    if other is None or other is rows[key]:
+        return "-"
+    row = rows[key]
+    speed = row["tokens_per_s"] / other["tokens_per_s"]
+    return f"{speed:.2f}x / {row['peak_memory_bytes'] / other['peak_memory_bytes']:.2f}x"
+
+
 def markdown(document: dict[str, Any]) -> str:
     rows = document["rows"]
-    base = rows.get("fsdp2", next(iter(rows.values())))
     lines = [f"{document['setup']['summary']} ({document['setup']['date']})", ""]
     host = document["setup"].get("host_probe")
     if host:  # [Note: the host's speed, twice] in scoreboard.py
@@ -161,17 +187,22 @@ def markdown(document: dict[str, Any]) -> str:
             + _host_speed_counts(rows, host),
             "",
         ]
+    names = [name for name, _ in BASELINES["FULL_SHARD"]]
     lines += [
-        "| configuration | step time (median) | tokens/s | vs FSDP2 eager | peak memory / rank | resident peak "
-        "| compile | collectives / step | predicted step | predicted peak |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        'Each "vs" column: tokens/s / peak memory against that baseline of the row\'s strategy (1.20x / 0.90x:'
+        " 1.2 times its speed at 0.9 times its memory).",
+        "",
+        "| configuration | step time (median) | tokens/s | peak memory / rank | "
+        + " | ".join(f"vs {name}" for name in names)
+        + " | resident peak | compile | collectives / step | predicted step | predicted peak |",
+        "|---|---|---|---|" + "---|" * len(names) + "---|---|---|---|---|",
     ]
-    for row in rows.values():
+    for key, row in rows.items():
         compile_s = f"{row['compile_s']:.1f} s" if row["compile_s"] else "-"
+        versus = [_versus(rows, key, baseline) for _, baseline in BASELINES.get(row["strategy"], ())]
         lines.append(
             f"| {row['label']} | {row['step_time_s'] * 1e3:.1f} ms | {row['tokens_per_s']:,.0f} | "
-            f"{row['tokens_per_s'] / base['tokens_per_s']:.2f}x | {_mib(row['peak_memory_bytes'])} | "
-            f"{_resident(row)} | {compile_s} | "
+            f"{_mib(row['peak_memory_bytes'])} | {' | '.join(versus)} | {_resident(row)} | {compile_s} | "
             f"{row['collectives_per_step']} | {_predicted(row)} |"
         )
     if document["targets"]:

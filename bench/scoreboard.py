@@ -15,11 +15,21 @@ Rows (all fp32, AdamW, the same Llama-style model from the same seed):
                                     where the graph's live bytes leave room (no graph's peak grows)
   ... (auto plan)                   the same with the cost-model ("auto") plan on this machine's profile
   simplefsdp compiled, torch's      `wrap(passes=None)` + inductor's FX bucketing and overlap reordering
-  the same three, SHARD_GRAD_OP     FSDP2 with `reshard_after_forward=False`, simplefsdp with
-                                    `strategy="SHARD_GRAD_OP"` (ours and torch's passes): like for like,
-                                    every one keeps the gathered weights for backward
+  the same, SHARD_GRAD_OP           FSDP2 eager and + compile per block with `reshard_after_forward=False`,
+                                    simplefsdp with `strategy="SHARD_GRAD_OP"` (ours and torch's passes):
+                                    like for like, every one keeps the gathered weights for backward
   auto plan, budget F               the auto plan with `memory_budget=F` (a fraction of each graph's peak),
                                     for each F of `--frontier`: the step time / memory trade it finds
+
+[Note: one inductor setting for every compiled row]
+`wrap()` compiles a model on the CPU with inductor's buffer reuse off ([Note: no buffer reuse on the
+CPU] in passes/install.py); torch's own settings keep it on. So that no row gains or loses by that
+setting alone, every compiled row -- FSDP2's blocks, simplefsdp with no passes, with torch's passes and
+with ours -- is compiled with the same `allow_buffer_reuse`, passed as `torch.compile(...,
+options=...)` (applied inside simplefsdp's own settings, so it wins over them): `--buffer-reuse auto`
+(the default) is what `wrap()` does on the device (off on the CPU, on on a GPU), `on` / `off` force
+it. `--reuse-twins` adds, for every compiled row, a twin compiled the other way (`ROW~reuse-on` /
+`ROW~reuse-off`), timed in the same interleaved run: the setting's effect on record, row by row.
 
 The profile: unless `--profile FILE` names one, the ranks first measure this machine (what
 `simplefsdp calibrate` does) and write `profile.json` next to the results; the auto rows plan with it
@@ -114,6 +124,7 @@ class Config:
     passes: str = "ours"  # simplefsdp: "ours", "auto", "none" or "torch" (inductor's own FX bucketing)
     budget: float | None = None  # the auto plan's memory_budget
     peak_growth: int | None = None  # ReorderConfig.max_peak_growth_bytes of our passes
+    buffer_reuse: bool | None = None  # inductor's allow_buffer_reuse; None: the run's setting
 
 
 CONFIGS = {  # key (for --rows and the JSON) -> setup
@@ -127,6 +138,7 @@ CONFIGS = {  # key (for --rows and the JSON) -> setup
     "ours-auto": Config("simplefsdp compiled, our passes (auto plan)", "simplefsdp", passes="auto"),
     "torch-passes": Config("simplefsdp compiled, torch's passes", "simplefsdp", passes="torch"),
     "fsdp2-zero2": Config("FSDP2 eager, SHARD_GRAD_OP", "fsdp2", strategy="SHARD_GRAD_OP", compiled=False),
+    "fsdp2-compile-zero2": Config("FSDP2 + compile per block, SHARD_GRAD_OP", "fsdp2", strategy="SHARD_GRAD_OP"),
     "ours-zero2": Config("simplefsdp SHARD_GRAD_OP, our passes", "simplefsdp", strategy="SHARD_GRAD_OP"),
     "ours-zero2-auto": Config(
         "simplefsdp SHARD_GRAD_OP, our passes (auto plan)", "simplefsdp", strategy="SHARD_GRAD_OP", passes="auto"
@@ -136,13 +148,22 @@ CONFIGS = {  # key (for --rows and the JSON) -> setup
     ),
 }
 FRONTIER = "auto@"  # + a budget fraction: the auto plan under that memory budget
+TWIN = "~reuse-"  # + "on" / "off": a compiled row with inductor's buffer reuse forced that way
 # an even vocabulary: torch 2.11's own bucketing cannot run uneven shards ([Note: torch 2.11's FX
 # bucketing and uneven shards]); uneven shards are tested with simplefsdp's passes in tests/
 TINY = {"layers": 2, "dim": 32, "heads": 4, "ffn": 88, "vocab": 68, "seq": 16, "warmup": 1, "steps": 2}
 
 
 def config_of(key: str) -> Config:
-    """The setup of row `key`: one of `CONFIGS`, or `auto@F` for the auto plan with budget fraction F."""
+    """The setup of row `key`: one of `CONFIGS`, or `auto@F` for the auto plan with budget fraction F;
+    either with `~reuse-on` / `~reuse-off` for a compiled row with inductor's buffer reuse forced."""
+    if TWIN in key:
+        base, setting = key.split(TWIN, 1)
+        config = config_of(base)
+        if setting not in ("on", "off") or not config.compiled:
+            raise ValueError(f"row {key!r}: {TWIN}on / {TWIN}off follows a compiled row")
+        label = f"{config.label} [buffer reuse {setting}]"
+        return dataclasses.replace(config, label=label, buffer_reuse=setting == "on")
     if key in CONFIGS:
         return CONFIGS[key]
     if key.startswith(FRONTIER):
@@ -163,21 +184,29 @@ def passes_of(config: Config, profile: str) -> simplefsdp.PassConfig | None:
     return simplefsdp.PassConfig()
 
 
-def _fsdp2(model: nn.Module, config: Config) -> nn.Module:
+def compile_options(config: Config, buffer_reuse: bool) -> dict[str, object]:
+    """The inductor options a compiled row compiles with ([Note: one inductor setting for every
+    compiled row]): `buffer_reuse` is the run's setting, which a twin row overrides."""
+    reuse = buffer_reuse if config.buffer_reuse is None else config.buffer_reuse
+    return {**(TORCH_BUILTIN_OPTIONS if config.passes == "torch" else {}), "allow_buffer_reuse": reuse}
+
+
+def _fsdp2(model: nn.Module, config: Config, buffer_reuse: bool) -> nn.Module:
     if config.compiled:
+        options = compile_options(config, buffer_reuse)
         for i, block in enumerate(model.layers):
-            model.layers.register_module(str(i), torch.compile(block))
+            model.layers.register_module(str(i), torch.compile(block, options=options))
     reshard = config.strategy == "FULL_SHARD"
     for block in model.layers:
         fully_shard(block, reshard_after_forward=reshard)
     return fully_shard(model, reshard_after_forward=reshard)
 
 
-def _simplefsdp(model: nn.Module, config: Config, profile: str) -> nn.Module:
+def _simplefsdp(model: nn.Module, config: Config, profile: str, buffer_reuse: bool) -> nn.Module:
     simplefsdp.wrap(model, strategy=config.strategy, passes=passes_of(config, profile))
     if not config.compiled:
         return model
-    return torch.compile(model, options=TORCH_BUILTIN_OPTIONS if config.passes == "torch" else None)
+    return torch.compile(model, options=compile_options(config, buffer_reuse))
 
 
 def check_torch_passes(model: nn.Module, world: int, *, version: str = torch.__version__) -> None:
@@ -213,10 +242,10 @@ def build(
     if config.family == "ddp":
         return model, DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
     if config.family == "fsdp2":
-        return model, _fsdp2(model, config)
+        return model, _fsdp2(model, config, args.buffer_reuse)
     if config.passes == "torch":
         check_torch_passes(model, dist.get_world_size())
-    return model, _simplefsdp(model, config, profile)
+    return model, _simplefsdp(model, config, profile, args.buffer_reuse)
 
 
 def _state_bytes(row: str, model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
@@ -385,6 +414,16 @@ def main(argv: list[str] | None = None) -> int:
         default="0.05,0.2,0.35,0.5",
         help="memory budgets (fractions) of the auto-plan rows added by default",
     )
+    parser.add_argument(
+        "--buffer-reuse",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="inductor's allow_buffer_reuse for every compiled row; auto: what wrap() does on the device "
+        "(off on the CPU, on on a GPU)",
+    )
+    parser.add_argument(
+        "--reuse-twins", action="store_true", help="add each compiled row again, with buffer reuse the other way"
+    )
     parser.add_argument("--profile", default=None, help="a `simplefsdp calibrate` file (default: measure first)")
     parser.add_argument("--no-predict", action="store_true", help="skip simplefsdp's predictions (dry runs)")
     parser.add_argument("--world", type=int, default=0, help="ranks; 0: 2 on the CPU, every GPU on CUDA")
@@ -396,12 +435,16 @@ def main(argv: list[str] | None = None) -> int:
         args.rows = [*CONFIGS, *(f"{FRONTIER}{f.strip()}" for f in args.frontier.split(",") if f.strip())]
     else:
         args.rows = [r.strip() for r in args.rows.split(",")]
-    for row in args.rows:
-        try:
-            config_of(row)
-        except ValueError as error:
-            parser.error(str(error))
     cuda = torch.cuda.is_available()
+    args.buffer_reuse = cuda if args.buffer_reuse == "auto" else args.buffer_reuse == "on"
+    try:
+        for row in args.rows:
+            config_of(row)
+        if args.reuse_twins:
+            other = "off" if args.buffer_reuse else "on"
+            args.rows += [f"{row}{TWIN}{other}" for row in args.rows if config_of(row).compiled and TWIN not in row]
+    except ValueError as error:
+        parser.error(str(error))
     args.backend = "nccl" if cuda else "gloo"
     world = args.world or (torch.cuda.device_count() if cuda else 2)
     setup = report.describe_setup(args, world)

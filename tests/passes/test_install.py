@@ -14,7 +14,9 @@ from simplefsdp._compat import (
     CustomGraphPass,
     CustomInferenceAwareGraphPass,
     backend_graph_passes,
+    functorch_config,
     inductor_config,
+    run_and_get_code,
 )
 from simplefsdp.passes.fsdp_pass import FsdpPass
 from simplefsdp.passes.install import ChainedPass, FoldUnevenPadding, configured_passes, installed, running
@@ -340,3 +342,22 @@ def test_a_cpu_model_compiles_without_buffer_reuse(fake_world8):
     assert inductor_config.allow_buffer_reuse
     with active(on_meta):
         assert inductor_config.allow_buffer_reuse
+
+
+def test_compile_options_override_the_cpu_buffer_reuse_setting(fake_world8):
+    """`torch.compile(model, options={"allow_buffer_reuse": ...})` wins over [Note: no buffer reuse on
+    the CPU]: what bench/scoreboard.py relies on to compile every row with one setting. The generated
+    code marks each reused buffer `# reuse`."""
+    import simplefsdp
+
+    def generated(options):
+        torch.compiler.reset()  # Dynamo would reuse the first model's frame for the second
+        torch.manual_seed(0)
+        model = simplefsdp.wrap(torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(4)]))
+        compiled = torch.compile(model, options=options)
+        with inductor_config.patch(fx_graph_cache=False), functorch_config.patch(enable_autograd_cache=False):
+            _, code = run_and_get_code(lambda: compiled(torch.randn(4, 16)).sum().backward())
+        return "\n".join(code)
+
+    assert "# reuse" not in generated(None)
+    assert "# reuse" in generated({"allow_buffer_reuse": True})

@@ -27,9 +27,11 @@ ROWS = [
     "fsdp2-zero2",
     "ours-zero2",
     "auto@0.2",
+    "ours~reuse-on",  # a twin: compiled with inductor's buffer reuse on, every other compiled row off
 ]
-COMPILED = {"fsdp2-compile", "no-passes", "ours", "torch-passes", "ours-zero2", "auto@0.2"}
-PREDICTED = {"no-passes", "ours", "ours-zero2", "auto@0.2"}  # simplefsdp's compiled rows with its passes or none
+COMPILED = {"fsdp2-compile", "no-passes", "ours", "torch-passes", "ours-zero2", "auto@0.2", "ours~reuse-on"}
+# simplefsdp's compiled rows with its passes or none
+PREDICTED = {"no-passes", "ours", "ours-zero2", "auto@0.2", "ours~reuse-on"}
 
 
 def test_scoreboard_runs_end_to_end(tmp_path):
@@ -53,6 +55,9 @@ def test_scoreboard_runs_end_to_end(tmp_path):
             assert row["predicted_step_s"] > 0, key
             assert row["predicted_peak_bytes"] > 0, key
     assert rows["ours-zero2"]["strategy"] == rows["fsdp2-zero2"]["strategy"] == "SHARD_GRAD_OP"
+    assert document["setup"]["buffer_reuse"] is False  # --buffer-reuse auto on the CPU: what wrap() does
+    assert "inductor buffer reuse off in every compiled row" in document["setup"]["summary"]
+    assert rows["ours~reuse-on"]["label"] == rows["ours"]["label"] + " [buffer reuse on]"
     profile = json.loads(Path(document["setup"]["profile"]).read_text())  # measured by the ranks first
     assert profile["flops_per_s"] > 0, profile
     assert profile["collectives"], profile
@@ -78,6 +83,7 @@ def test_scoreboard_runs_end_to_end(tmp_path):
     assert all(isinstance(t["met"], bool) and t["ratio"] >= 0 for t in document["targets"])
     table = (tmp_path / "scoreboard.md").read_text()
     assert all(f"| {row['label']} |" in table for row in rows.values())
+    assert "| vs FSDP2 eager | vs FSDP2 + compile | vs torch's passes |" in table
     assert f"Host speed: a {host['matmul_n']}^3 matmul took" in table
     assert table in done.stdout
     assert (tmp_path / "scoreboard.png").read_bytes().startswith(b"\x89PNG")

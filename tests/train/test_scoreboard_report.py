@@ -46,6 +46,19 @@ def test_host_speed_line_counts_predictions_as_made_and_scaled_by_the_host():
     assert report._host_speed_counts({"eager": rows["eager"]}, host) == ""
 
 
+def test_each_row_is_compared_with_its_strategys_baselines_of_the_same_buffer_reuse():
+    """Speed / memory against FSDP2 eager, FSDP2 + compile and torch's passes; a `~reuse-on` twin
+    against the baseline's twin where that ran, else the baseline; "-" for the baseline itself."""
+    rows = {key: _row(key, seconds, None) for key, seconds in [("fsdp2", 4.0), ("fsdp2-compile", 2.0), ("ours", 1.0)]}
+    rows["fsdp2-compile~reuse-on"] = _row("fsdp2-compile~reuse-on", 1.6, None)
+    rows["ours~reuse-on"] = _row("ours~reuse-on", 0.8, None) | {"peak_memory_bytes": 2**21}
+    table = report.markdown({"setup": {"summary": "s", "date": "d"}, "rows": rows, "targets": []})
+    cells = {line.split(" | ")[0].removeprefix("| "): line.split(" | ")[4:7] for line in table.splitlines()[4:]}
+    assert cells["ours"] == ["4.00x / 1.00x", "2.00x / 1.00x", "-"]
+    assert cells["ours~reuse-on"] == ["5.00x / 2.00x", "2.00x / 2.00x", "-"]
+    assert cells["fsdp2"][0] == "-"
+
+
 def test_torch_passes_refuse_uneven_shards_before_torch_2_13():
     """[Note: torch 2.11's FX bucketing and uneven shards]: refused by name below 2.13, not at or above."""
     model = torch.nn.Sequential(torch.nn.Embedding(68, 4), torch.nn.Linear(4, 67))
