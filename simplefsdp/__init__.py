@@ -8,6 +8,7 @@ from simplefsdp import gloo
 from simplefsdp.accelerate_config import AccelerateSettings, from_accelerate
 from simplefsdp.accumulate import no_sync, reduce_pending
 from simplefsdp.activation_checkpoint import checkpoint_blocks
+from simplefsdp.loss_scaling import grad_scaler, needs_loss_scaling
 from simplefsdp.materialize import materialize
 from simplefsdp.mixed_precision import MixedPrecisionPolicy
 from simplefsdp.parametrize import sharded_parameters
@@ -27,7 +28,9 @@ __all__ = [
     "checkpoint_blocks",
     "from_accelerate",
     "gloo",
+    "grad_scaler",
     "materialize",
+    "needs_loss_scaling",
     "no_sync",
     "reduce_pending",
     "sharded_parameters",

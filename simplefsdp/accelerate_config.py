@@ -4,6 +4,13 @@
     simplefsdp.wrap(model, **settings.wrap_kwargs())
     if settings.activation_checkpointing:
         simplefsdp.checkpoint_blocks(model, blocks=settings.checkpoint_blocks)
+    scaler = settings.grad_scaler(model)        # mixed_precision: fp16 only; None otherwise
+
+`mixed_precision: fp16` gathers, computes and reduces in float16, whose gradients underflow unless
+the loss is scaled, as Accelerate's own fp16 training does with its GradScaler: then
+`scaler.scale(loss).backward()`, `scaler.unscale_(optimizer)` before clipping, `scaler.step(optimizer)`,
+`scaler.update()` ([Note: float16 needs loss scaling] in `loss_scaling.py`). `settings.loss_scaling`
+says whether it is needed, and `from_accelerate` logs it with the notes.
 
 Accepted input: the YAML file `accelerate config` writes (top-level keys such as `mixed_precision`
 and `distributed_type: FSDP`, the FSDP keys under `fsdp_config:`), that document as a dict, or the
@@ -38,6 +45,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from simplefsdp import loss_scaling
 from simplefsdp.class_swap import user_class
 from simplefsdp.mixed_precision import MixedPrecisionPolicy
 from simplefsdp.passes.fsdp_pass import BucketConfig, PassConfig
@@ -88,6 +96,11 @@ _LAUNCHER_KEYS = frozenset(
         "use_cpu",
     )
 )
+_FP16_NOTE = (
+    "mixed_precision: fp16: float16 gradients underflow without loss scaling; scaler = settings.grad_scaler(model), "
+    "then scaler.scale(loss).backward(), scaler.unscale_(optimizer) before clipping, scaler.step(optimizer), "
+    "scaler.update()"
+)
 # sections of the document for other engines: refused unless empty
 _OTHER_ENGINES = ("deepspeed_config", "megatron_lm_config", "fp8_config", "parallelism_config", "mpirun_config")
 
@@ -128,6 +141,26 @@ class AccelerateSettings:
             "mp_policy": self.mp_policy,
             "passes": PassConfig(bucket=bucket, reorder=self.reorder),
         }
+
+    @property
+    def loss_scaling(self) -> bool:
+        """Whether training under these settings needs a loss scaler: `mixed_precision: fp16`."""
+        policy = self.mp_policy
+        return policy is not None and torch.float16 in (policy.param_dtype, policy.reduce_dtype)
+
+    def grad_scaler(self, model: nn.Module) -> torch.amp.GradScaler | None:
+        """The loss scaler for `model`, wrapped with `wrap_kwargs()`, when `loss_scaling` (a
+        `torch.amp.GradScaler`: `simplefsdp.grad_scaler`); None otherwise. `ValueError` if the
+        settings ask for fp16 and `model` was wrapped without it."""
+        if not self.loss_scaling:
+            return None
+        scaler = loss_scaling.grad_scaler(model)
+        if scaler is None:
+            raise ValueError(
+                "mixed_precision: fp16, but the model gathers and reduces in no float16: "
+                "wrap it with simplefsdp.wrap(model, **settings.wrap_kwargs())"
+            )
+        return scaler
 
     @property
     def checkpoint_blocks(self) -> list[str] | None:
@@ -355,6 +388,8 @@ def from_accelerate(
     mp_policy, launcher_keys = _top_level(top)
     notes: list[str] = []
     settings = AccelerateSettings(mp_policy=mp_policy, launcher_keys=launcher_keys, **_fsdp_section(fsdp, notes))
+    if settings.loss_scaling:
+        notes.append(_FP16_NOTE)
     settings = dataclasses.replace(settings, notes=tuple(notes))
     if model is not None:
         settings = _resolve(settings, model)

@@ -31,7 +31,7 @@ from simplefsdp.cached_params import gathered_attributes
 from simplefsdp.class_swap import subclass, user_class
 from simplefsdp.gather import GatherSpec, gather_full
 
-__all__ = ["gather_on_access", "is_wrapped_module", "sharded_parameters"]
+__all__ = ["gather_on_access", "gather_specs", "is_wrapped_module", "sharded_parameters"]
 
 _SPECS_ATTR = "_simplefsdp_gather_specs"
 _ORIGINAL_CLASS_ATTR = "_simplefsdp_unsharded_class"
@@ -68,6 +68,12 @@ def gather_on_access(module: nn.Module, specs: dict[str, GatherSpec]) -> None:
     """Make each `module.<name>` in `specs` return the gathered full tensor of its sharded parameter."""
     setattr(module, _SPECS_ATTR, dict(specs))
     module.__class__ = _sharded_class(type(module), tuple(sorted(specs)))
+
+
+def gather_specs(model: nn.Module) -> list[GatherSpec]:
+    """The gather specs of every sharded parameter `model` holds (a tied one once per holder), in
+    module order; empty for a model `wrap()` did not shard."""
+    return [spec for module in model.modules() for spec in getattr(module, _SPECS_ATTR, {}).values()]
 
 
 @contextlib.contextmanager

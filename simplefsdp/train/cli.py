@@ -43,6 +43,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         rate = f"{outcome.tokens_per_s:,.0f} tokens/s (median)" if outcome.tokens_per_s else "no timed steps"
         first, last = (f"{outcome.losses[0]:.4f}", f"{outcome.losses[-1]:.4f}") if outcome.losses else ("-", "-")
         done = f"trained steps {outcome.start_step + 1}-{outcome.end_step}: loss {first} -> {last}, {rate}"
+        if outcome.skipped_steps:
+            done += f" ({outcome.skipped_steps} skipped by float16 loss scaling: an inf or nan in the gradients)"
         if outcome.end_step <= outcome.start_step:
             done = f"no steps to train (at step {outcome.start_step} of {config.steps})"
         exported = f"; full weights in {config.export_dir}" if config.export_dir else ""

@@ -7,10 +7,16 @@ blocks checkpointed on request), wraps it with `simplefsdp.wrap`, compiles it, t
 steps on `TokenBatches`, saving a sharded checkpoint every `checkpoint_every` steps and at the
 end. Rank 0 shows the progress bar and writes the metrics file.
 
+With float16 gathers or reductions (`--param-dtype fp16`, `--reduce-dtype fp16`) the loss is
+scaled (`simplefsdp.grad_scaler`, [Note: float16 needs loss scaling] in `loss_scaling.py`): scale,
+backward, then the scaler's step (unscale, the optimizer step unless a gradient holds an inf or
+nan on any rank, then the same skip on every rank) and update. Rank 0 says so once; each step's
+metrics record carries the scale it used and whether it was skipped.
+
 Invariants: every rank runs the same number of steps and the same collectives; a resumed run
-restores the model, the optimizer, the RNG states and the batch position, so its step count and
-loss curve continue those of the run it resumes (bitwise in fp32 on the same world size, as
-`simplefsdp.checkpoint` guarantees for the state it restores).
+restores the model, the optimizer, the loss scaler, the RNG states and the batch position, so its
+step count and loss curve continue those of the run it resumes (bitwise in fp32 on the same world
+size, as `simplefsdp.checkpoint` guarantees for the state it restores).
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.distributed.tensor.parallel import parallelize_module
 from tqdm import tqdm
 
@@ -59,6 +66,7 @@ class TrainOutcome:
     losses: tuple[float, ...]
     tokens_per_s: float | None  # median over the steps after the first of this run
     comm: comm.CommSummary
+    skipped_steps: int = 0  # steps the float16 loss scaler skipped (an inf or nan in a gradient)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -213,7 +221,8 @@ class _Output:
         if not self.enabled:
             return
         rate = "compile" if compiling else f"{record['tokens_per_s']:,.0f} tok/s"
-        self.bar.set_postfix_str(f"loss {record['loss']:.4f} | {rate}")
+        scale = f" | scale {record['loss_scale']:g}" if "loss_scale" in record else ""
+        self.bar.set_postfix_str(f"loss {record['loss']:.4f} | {rate}{scale}")
         self.bar.update(1)
         if self.bar.disable and (record["step"] % self.every == 0 or compiling):
             logger.info("step %d: loss %.4f, %s (%.2fs)", record["step"], record["loss"], rate, record["seconds"])
@@ -234,23 +243,62 @@ class _Output:
             self.metrics.close()
 
 
-def _resume(config: TrainConfig, setup: TrainSetup, opt: torch.optim.Optimizer, batches: TokenBatches) -> int:
+SCALER_KEY = "grad_scaler"  # the loss scaler's state in a checkpoint's `extra`
+
+
+@dataclasses.dataclass(frozen=True)
+class _Optimization:
+    """The optimizer and, under float16, its loss scaler (whose state travels with the checkpoint)."""
+
+    opt: torch.optim.Optimizer
+    scaler: ShardedGradScaler | None
+
+    def step(self) -> bool:
+        """The optimizer step (through the scaler: unscale, then step unless skipped on every rank,
+        then update); returns whether the parameters were stepped."""
+        if self.scaler is None:
+            self.opt.step()
+            return True
+        scale = self.scaler.get_scale()
+        self.scaler.step(self.opt)
+        self.scaler.update()
+        return self.scaler.get_scale() >= scale  # update() lowers the scale exactly when it skipped
+
+    def state(self) -> dict[str, Any]:
+        return {} if self.scaler is None else {SCALER_KEY: self.scaler.state_dict()}
+
+    def load_state(self, extra: dict[str, Any]) -> None:
+        if self.scaler is None:
+            return
+        if SCALER_KEY in extra:
+            self.scaler.load_state_dict(extra[SCALER_KEY])
+        else:
+            logger.warning("--resume: the checkpoint holds no loss-scaler state; float16 scaling starts afresh")
+
+
+def _resume(config: TrainConfig, setup: TrainSetup, optim: _Optimization, batches: TokenBatches) -> int:
     """The step to start from: the newest checkpoint's (restored in place), or 0."""
     if not config.resume:
         return 0
-    loaded = checkpoint.load_checkpoint(config.checkpoint_dir, model=setup.model, optimizer=opt, missing_ok=True)
+    loaded = checkpoint.load_checkpoint(config.checkpoint_dir, model=setup.model, optimizer=optim.opt, missing_ok=True)
     if loaded is None:
         logger.warning("--resume: no checkpoint under %s, starting from step 0", config.checkpoint_dir)
         return 0
     batches.load_state_dict(loaded.extra["data"])
+    optim.load_state(loaded.extra)
     logger.info("resumed from %s (step %d)", loaded.path, loaded.step)
     return loaded.step
 
 
-def _save(config: TrainConfig, setup: TrainSetup, opt: torch.optim.Optimizer, batches: TokenBatches, step: int) -> None:
-    extra = {"data": batches.state_dict()}
+def _save(config: TrainConfig, setup: TrainSetup, optim: _Optimization, batches: TokenBatches, step: int) -> None:
+    extra = {"data": batches.state_dict(), **optim.state()}
     checkpoint.save_checkpoint(
-        config.checkpoint_dir, step=step, model=setup.model, optimizer=opt, extra=extra, keep_last=config.keep_last
+        config.checkpoint_dir,
+        step=step,
+        model=setup.model,
+        optimizer=optim.opt,
+        extra=extra,
+        keep_last=config.keep_last,
     )
 
 
@@ -258,7 +306,9 @@ def train(config: TrainConfig, *, device: torch.device) -> TrainOutcome:
     """Run the steps from the resumed (or first) step to `config.steps`; see the module docstring."""
     check_fresh_start(config)
     setup = build_model(config, device)
-    opt = torch.optim.AdamW(setup.model.parameters(), lr=config.lr)
+    optim = _Optimization(
+        torch.optim.AdamW(setup.model.parameters(), lr=config.lr), simplefsdp.grad_scaler(setup.model)
+    )
     try:
         batches = TokenBatches(
             seq_len=config.seq_len,
@@ -270,10 +320,12 @@ def train(config: TrainConfig, *, device: torch.device) -> TrainOutcome:
         )
     except ValueError as err:
         raise ConfigError(str(err)) from None
-    start = _resume(config, setup, opt, batches)
+    start = _resume(config, setup, optim, batches)
     out = _Output(config, start=start, enabled=dist.get_rank() == 0)
+    if optim.scaler is not None:
+        out.say(f"float16: the loss is scaled (initial scale {optim.scaler.get_scale():g}); skipped steps are counted")
     try:
-        outcome = _steps(config, setup, opt, batches, out, start=start, device=device)
+        outcome = _steps(config, setup, optim, batches, out, start=start, device=device)
         out.write_metrics({"summary": _summary_record(outcome)})
     finally:
         out.close()
@@ -287,7 +339,7 @@ def train(config: TrainConfig, *, device: torch.device) -> TrainOutcome:
 def _steps(
     config: TrainConfig,
     setup: TrainSetup,
-    opt: torch.optim.Optimizer,
+    optim: _Optimization,
     batches: TokenBatches,
     out: _Output,
     *,
@@ -295,47 +347,52 @@ def _steps(
     device: torch.device,
 ) -> TrainOutcome:
     tokens_per_step = config.batch_per_rank * config.seq_len * setup.dp_size
-    losses, rates, summary = [], [], comm.CommSummary(traced=False)
+    losses, rates, summary, skipped = [], [], comm.CommSummary(traced=False), 0
     for step in range(start, config.steps):
         tokens = next(batches).to(device)  # [B, S + 1]
         first = step == start
         began = time.perf_counter()
+        scale = {} if optim.scaler is None else {"loss_scale": optim.scaler.get_scale()}
         if first and config.backend != "eager":
             with recording(pass_of(setup.model)) as graphs:  # the compiling call: keep its graphs
-                loss = _forward_backward(setup.step_fn, tokens)
+                loss = _forward_backward(setup.step_fn, tokens, optim.scaler)
             summary = comm.summarize(setup.model, graphs, profile=cost.profile(profile_name(config, device)))
         else:
-            loss = _forward_backward(setup.step_fn, tokens)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+            loss = _forward_backward(setup.step_fn, tokens, optim.scaler)
+        stepped = optim.step()
+        optim.opt.zero_grad(set_to_none=True)
         dist.all_reduce(loss)  # the tp ranks of one dp rank hold the same loss: the mean is the dp mean
         value = loss.item() / dist.get_world_size()
         seconds = time.perf_counter() - began
         losses.append(value)
         if not first:
             rates.append(tokens_per_step / seconds)
-        out.step(
-            {"step": step + 1, "loss": value, "seconds": seconds, "tokens_per_s": tokens_per_step / seconds},
-            compiling=first,
-        )
+        if not stepped:
+            skipped += 1
+            logger.info(
+                "step %d skipped: an inf or nan in the gradients at loss scale %g", step + 1, scale["loss_scale"]
+            )
+        record = {"step": step + 1, "loss": value, "seconds": seconds, "tokens_per_s": tokens_per_step / seconds}
+        out.step({**record, **scale, **({"skipped": not stepped} if scale else {})}, compiling=first)
         if first:
             out.say(summary.line())
         if (config.checkpoint_every and (step + 1) % config.checkpoint_every == 0) or step + 1 == config.steps:
-            _save(config, setup, opt, batches, step + 1)
+            _save(config, setup, optim, batches, step + 1)
     return TrainOutcome(
         start_step=start,
         end_step=config.steps,
         losses=tuple(losses),
         tokens_per_s=statistics.median(rates) if rates else None,
         comm=summary,
+        skipped_steps=skipped,
     )
 
 
-def _forward_backward(step_fn: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+def _forward_backward(step_fn: nn.Module, tokens: torch.Tensor, scaler: ShardedGradScaler | None) -> torch.Tensor:
     output = step_fn(tokens[:, :-1])
     logits = getattr(output, "logits", output)  # [B, S, V]; a transformers model returns an output object
     loss = F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
-    loss.backward()
+    (loss if scaler is None else scaler.scale(loss)).backward()
     return loss.detach()
 
 
