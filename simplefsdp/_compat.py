@@ -459,8 +459,82 @@ def use_rank_aware_cache_keys(mesh) -> None:
     DTensor._stable_hash_for_caching = _rank_aware_stable_hash
 
 
+# [Note: the Trainer and Accelerate internals simplefsdp.hf relies on]
+# The Trainer mixin (`simplefsdp/hf/trainer.py`) overrides Trainer methods that are not public API and
+# sets Accelerate attributes that are not either. Each is reached here. Checked (read, and the Trainer
+# test run, bench/results/compat_runs.md) on transformers 5.24.0 with accelerate 1.16.0 and on
+# transformers 4.51.3 with accelerate 1.14.0: the two ends of the `hf` extra's range in pyproject.toml.
+# transformers and accelerate are imported inside the functions: simplefsdp itself needs neither.
+# - TRAINER_HOOKS: the Trainer's private methods the mixin overrides (its checkpoint's model and
+#   optimizer state), and `save_model`'s private `_internal_call` argument, which the public
+#   `save_model` override keeps; `check_trainer_internals` fails with one line where one is missing.
+# - ACCELERATE_FLOOR: `Accelerator.prepare_model` returns a model carrying `_is_accelerate_prepared`
+#   unchanged from accelerate 1.14.0 on; before, it wrapped the sharded model in DDP, which then
+#   failed ("got mixed torch.Tensor and DTensor", seen with 1.0.1).
+# - `Accelerator.scaler` (read by `backward`, `prepare_optimizer` and the Trainer's checkpoint) and
+#   `Accelerator.native_amp` (with `mixed_precision == "fp16"`: `unscale_gradients`, which
+#   `clip_grad_norm_` calls first): attributes Accelerate sets in its constructor (no scaler for fp16
+#   on CPU) and that nothing public sets.
+# - `transformers.trainer.SCHEDULER_NAME` / `TRAINING_ARGS_NAME`: the Trainer's file names, module
+#   constants it does not export.
+TRAINER_HOOKS: tuple[str, ...] = (
+    "_save_optimizer_and_scheduler",
+    "_load_from_checkpoint",
+    "_load_optimizer_and_scheduler",
+)
+ACCELERATE_FLOOR = (1, 14)
+
+
+@functools.cache
+def check_trainer_internals() -> None:
+    """One `RuntimeError` line when the installed transformers / accelerate lack what the mixin
+    relies on ([Note: the Trainer and Accelerate internals simplefsdp.hf relies on])."""
+    import inspect
+
+    import accelerate
+    import transformers
+
+    if major_minor(accelerate.__version__) < ACCELERATE_FLOOR:
+        raise RuntimeError(
+            f"simplefsdp.hf needs accelerate>={'.'.join(map(str, ACCELERATE_FLOOR))} (it would wrap the sharded "
+            f"model in DDP); found {accelerate.__version__}"
+        )
+    missing = [name for name in TRAINER_HOOKS if not callable(getattr(transformers.Trainer, name, None))]
+    if "_internal_call" not in inspect.signature(transformers.Trainer.save_model).parameters:
+        missing.append("save_model(_internal_call=...)")
+    if missing:
+        raise RuntimeError(
+            f"simplefsdp.hf overrides Trainer.{', Trainer.'.join(missing)}, which transformers "
+            f"{transformers.__version__} does not have (checked on 4.51.3 and 5.24.0)"
+        )
+
+
+def mark_prepared_for_accelerate(model: torch.nn.Module) -> None:
+    """Accelerate's mark of a model it prepared already: `prepare_model` then returns it as it is
+    (no DDP). `_is_accelerate_prepared`: checked on accelerate 1.14.0 and 1.16.0."""
+    model._is_accelerate_prepared = True
+
+
+def use_grad_scaler(accelerator, scaler) -> None:
+    """Make `accelerator` scale the loss with `scaler` and unscale before clipping, as it does for
+    fp16 with a scaler of its own. `Accelerator.scaler` / `.native_amp`: checked on accelerate 1.14.0
+    and 1.16.0; set before `prepare(optimizer)`, which hands the scaler to the optimizer wrapper."""
+    accelerator.scaler = scaler
+    accelerator.native_amp = True
+
+
+def trainer_file_names() -> tuple[str, str]:
+    """(the scheduler's, the training arguments') file names in a Trainer checkpoint.
+    `transformers.trainer.SCHEDULER_NAME`, `TRAINING_ARGS_NAME`: checked on 4.51.3 and 5.24.0."""
+    from transformers.trainer import SCHEDULER_NAME, TRAINING_ARGS_NAME
+
+    return SCHEDULER_NAME, TRAINING_ARGS_NAME
+
+
 __all__ = [
+    "ACCELERATE_FLOOR",
     "DCP_METADATA_GLOBALS",
+    "TRAINER_HOOKS",
     "BoxedCodeGen",
     "CustomGraphModulePass",
     "CustomGraphPass",
@@ -476,6 +550,7 @@ __all__ = [
     "aot_autograd",
     "backend_graph_passes",
     "c10d_functional",
+    "check_trainer_internals",
     "chunk_cat",
     "compiled_in_place",
     "count_cpu_allocations_on_every_thread",
@@ -489,6 +564,7 @@ __all__ = [
     "init_backend_registration",
     "init_fake_process_group",
     "major_minor",
+    "mark_prepared_for_accelerate",
     "min_cut_rematerialization_partition",
     "module_fqn",
     "reduce_scatter_single",
@@ -498,9 +574,11 @@ __all__ = [
     "run_and_get_code",
     "set_torch_logs",
     "stable_topological_sort",
+    "trainer_file_names",
     "tree_leaves",
     "tree_map_only",
     "unwrap_compiled",
+    "use_grad_scaler",
     "use_rank_aware_cache_keys",
     "version_counter",
 ]

@@ -53,9 +53,11 @@ from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from simplefsdp.class_swap import user_class
 from simplefsdp.parametrize import gather_specs
 
-__all__ = ["grad_scaler", "needs_loss_scaling", "new_grad_scaler"]
+__all__ = ["CHECKPOINT_KEY", "grad_scaler", "needs_loss_scaling", "new_grad_scaler"]
 
 logger = logging.getLogger(__name__)
+
+CHECKPOINT_KEY = "grad_scaler"  # a scaler's `state_dict()` in a checkpoint's `extra` (train, the Trainer)
 
 # DTensor's warning about the scaler's (1,)-shaped flag: see the end of the skip-decision note
 _ONE_ELEMENT_FLAG = "Found a non-scalar tensor with numel=1 and ndim!=0"

@@ -43,6 +43,7 @@ import simplefsdp
 from simplefsdp import checkpoint
 from simplefsdp.accelerate_config import blocks_of_classes
 from simplefsdp.inspect.record import recording
+from simplefsdp.loss_scaling import CHECKPOINT_KEY
 from simplefsdp.models import Transformer, TransformerArgs, tensor_parallel_plan
 from simplefsdp.passes import cost
 from simplefsdp.passes.fsdp_pass import parse_memory_budget
@@ -243,9 +244,6 @@ class _Output:
             self.metrics.close()
 
 
-SCALER_KEY = "grad_scaler"  # the loss scaler's state in a checkpoint's `extra`
-
-
 @dataclasses.dataclass(frozen=True)
 class _Optimization:
     """The optimizer and, under float16, its loss scaler (whose state travels with the checkpoint)."""
@@ -265,13 +263,13 @@ class _Optimization:
         return self.scaler.get_scale() >= scale  # update() lowers the scale exactly when it skipped
 
     def state(self) -> dict[str, Any]:
-        return {} if self.scaler is None else {SCALER_KEY: self.scaler.state_dict()}
+        return {} if self.scaler is None else {CHECKPOINT_KEY: self.scaler.state_dict()}
 
     def load_state(self, extra: dict[str, Any]) -> None:
         if self.scaler is None:
             return
-        if SCALER_KEY in extra:
-            self.scaler.load_state_dict(extra[SCALER_KEY])
+        if CHECKPOINT_KEY in extra:
+            self.scaler.load_state_dict(extra[CHECKPOINT_KEY])
         else:
             logger.warning("--resume: the checkpoint holds no loss-scaler state; float16 scaling starts afresh")
 

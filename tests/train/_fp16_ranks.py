@@ -11,8 +11,9 @@ import torch
 import torch.distributed as dist
 
 from simplefsdp.checkpoint.train_state import read_train_state
+from simplefsdp.loss_scaling import CHECKPOINT_KEY
 from simplefsdp.train.config import TrainConfig
-from simplefsdp.train.loop import SCALER_KEY, train
+from simplefsdp.train.loop import train
 
 TINY = {"n_layers": 2, "dim": 32, "n_heads": 4, "ffn_dim": 88, "seq_len": 16, "batch_per_rank": 2, "lr": 1e-2}
 
@@ -39,7 +40,7 @@ def _run(root: Path, name: str, **settings) -> dict:
     records = [json.loads(line) for line in metrics.read_text().splitlines()] if dist.get_rank() == 0 else []
     return {
         "records": [r for r in records if "step" in r],
-        "scaler": read_train_state(newest)["extra"].get(SCALER_KEY),
+        "scaler": read_train_state(newest)["extra"].get(CHECKPOINT_KEY),
         "skipped": outcome.skipped_steps,
     }
 

@@ -6,7 +6,12 @@ What the scaler itself does (underflow, a skipped step) is tests/simplefsdp/test
 
 from __future__ import annotations
 
+import pytest
+
 from tests.train import _fp16_ranks
+
+# slow: tests/_tiers.py (a training run; the scaler itself is tests/simplefsdp/test_loss_scaling.py's, fast)
+pytestmark = pytest.mark.slow
 
 
 def test_fp16_training_scales_the_loss_and_resumes_with_the_same_scaler_state(ranks2, tmp_path):
