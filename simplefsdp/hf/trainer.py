@@ -107,14 +107,14 @@ def _check(model: Any, args: transformers.TrainingArguments | None) -> nn.Module
     for name, why in _REFUSED.items():
         if args is not None and getattr(args, name, None):
             raise ValueError(f"TrainingArguments.{name}={getattr(args, name)!r} cannot be used: {why}")
-    fp16 = bool(args is not None and args.fp16)
-    if fp16 and not needs_loss_scaling(model):
+    fp16, scaled = bool(args is not None and args.fp16), needs_loss_scaling(model)
+    if fp16 and not scaled:
         raise ValueError(
             "TrainingArguments.fp16=True cannot be used: the model computes in no float16 and autocast is not applied "
             "to a simplefsdp model: wrap(model, mp_policy=MixedPrecisionPolicy(param_dtype=torch.float16)) and keep "
             "fp16=True for the loss scaling"
         )
-    if needs_loss_scaling(model) and not fp16:
+    if scaled and not fp16:
         raise ValueError(
             "the model gathers or reduces in float16 (its mp_policy): set TrainingArguments.fp16=True, which scales "
             "the loss (float16 gradients underflow without it)"
