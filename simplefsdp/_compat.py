@@ -37,9 +37,9 @@ runs on 2.11 instead.
   pickles no other name was not checked).
 - init_fake_process_group: 2.11 < 2.13, so the fallback runs: `FakeStore` from
   `torch.testing._internal.distributed.fake_pg` (present, checked).
-- use_rank_aware_cache_keys: 2.11's DTensor has no `_stable_hash_for_caching` and no file of the
-  2.11 wheel names it -- fallback: the method is set but nothing calls it, so the per-rank key does
-  nothing on 2.11. Whether 2.11's cache can serve one rank another's graph is not known.
+- rank_aware_cache_keys: 2.11's DTensor has no `_stable_hash_for_caching` and no file of the
+  2.11 wheel names it -- fallback: the scope does nothing (there is no method to replace), so the
+  per-rank key does nothing on 2.11. Whether 2.11's cache can serve one rank another's graph is not known.
 - allocator_events, count_cpu_allocations_on_every_thread: added after this review (used by the
   benchmarks' tensor-peak measurement, `calibrate.high_water.tensor_high_water_bytes`); not read
   against 2.11.
@@ -54,14 +54,16 @@ functions (`torch._foreach_copy_`, `torch._chunk_cat`) are.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import ctypes
 import functools
 import os
 import re
 import sys
+import threading
 import types
-import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 
@@ -409,27 +411,35 @@ def init_fake_process_group(*, rank: int, world_size: int) -> None:
 # another's graph and failed a size assert, another could not resolve a group name, a third hung in
 # a collective.
 # The fix appends what the spec leaves out -- this rank's local shape and stride, its mesh
-# coordinate and the group names of the mesh dims -- so ranks whose graphs can differ get different
-# keys and ranks whose graphs are identical still share. It only ever makes keys more specific (never
-# a wrong hit where torch had none).
-# How narrow it can be: torch calls the method on the fake copies of the graph's inputs that Dynamo
-# makes (not on the parameters themselves), so it cannot be set per parameter; it has to be on the
-# class. It changes the key only of DTensors on a mesh `wrap()` sharded parameters over (the fake
-# copies keep their parameter's mesh object); every other DTensor gets torch's own key, unchanged
-# (on a torch without the method, where AOTAutograd would hash the tensor its own way, a summary of
-# its spec).
-_RANK_AWARE_MESHES: weakref.WeakSet = weakref.WeakSet()
-_torch_stable_hash = None  # torch's own DTensor._stable_hash_for_caching, once wrapped
+# coordinate and the group names of the mesh dims (`rank_aware_cache_key`, the one place that says
+# what goes into the key) -- so ranks whose graphs can differ get different keys and ranks whose
+# graphs are identical still share. It only ever makes keys more specific (never a wrong hit where
+# torch had none).
+# Where it applies: only inside `rank_aware_cache_keys(meshes)`, which a wrapped model enters while
+# it compiles (`passes/install.py`: its forward, or `active(model)` around a larger compiled
+# function), and only to DTensors on those meshes, hashed on the thread (context) that entered it.
+# A wrapped model traced inside a larger compiled function outside `active(model)` gets torch's
+# keys, as it gets no pass there.
+# torch calls the method on the fake copies of the graph's inputs that Dynamo makes (not on the
+# parameters themselves, whose mesh object the copies keep), so it cannot be set per parameter: it
+# has to be the class attribute. The scope replaces it on entry of the outermost scope and puts
+# torch's own function back when the last one ends; outside, `DTensor._stable_hash_for_caching` is
+# torch's, and every DTensor -- on a mesh a wrapped model uses or not -- gets torch's key. A torch
+# without the method (2.11, see the review) is left alone: nothing there would call it.
+_RANK_AWARE_MESHES: contextvars.ContextVar[frozenset] = contextvars.ContextVar(
+    "simplefsdp_rank_aware_meshes", default=frozenset()
+)
+_rank_aware_lock = threading.Lock()
+_rank_aware_depth = 0  # scopes open, over all threads
+_torch_stable_hash: Callable[..., str] | None = None  # torch's own method while a scope replaces it
 
 
-def _rank_aware_stable_hash(self) -> str:
+def rank_aware_cache_key(dtensor, own: str) -> str:
+    """The AOTAutograd cache key of `dtensor` in a wrapped model's compile: torch's own key `own`
+    with what makes this rank's graph differ from another's (see the Note)."""
     import hashlib
 
-    own = _torch_stable_hash(self) if _torch_stable_hash is not None else _spec_summary(self)
-    mesh = self.device_mesh
-    if mesh not in _RANK_AWARE_MESHES:
-        return own
-    local = self._local_tensor
+    mesh, local = dtensor.device_mesh, dtensor._local_tensor
     extra = (
         tuple(local.shape),
         tuple(local.stride()),
@@ -439,24 +449,51 @@ def _rank_aware_stable_hash(self) -> str:
     return hashlib.blake2b((own + repr(extra)).encode(), digest_size=16).hexdigest()
 
 
-def _spec_summary(self) -> str:
-    """What torch's own hash covers, for a torch without `DTensor._stable_hash_for_caching`."""
-    return repr((self.device_mesh.mesh.tolist(), self.placements, tuple(self.shape), self.dtype, self.requires_grad))
+def _scoped_stable_hash(self) -> str:
+    """What `DTensor._stable_hash_for_caching` is while a scope is open: torch's key, made rank-aware
+    for a DTensor on one of the meshes this context's scope named."""
+    own = _torch_stable_hash(self)
+    if self.device_mesh not in _RANK_AWARE_MESHES.get():
+        return own
+    return rank_aware_cache_key(self, own)
 
 
-def use_rank_aware_cache_keys(mesh) -> None:
-    """Give DTensors on `mesh` the cache key of [Note: per-rank AOTAutograd cache keys for DTensor
-    inputs]. Idempotent: the class method is wrapped once per process, a mesh registered once.
-    `DTensor._stable_hash_for_caching`: checked on 2.13."""
+def _open_rank_aware_scope(dtensor_class: type) -> None:
+    global _rank_aware_depth, _torch_stable_hash
+    with _rank_aware_lock:
+        if _rank_aware_depth == 0:
+            _torch_stable_hash = dtensor_class._stable_hash_for_caching
+            dtensor_class._stable_hash_for_caching = _scoped_stable_hash
+        _rank_aware_depth += 1
+
+
+def _close_rank_aware_scope(dtensor_class: type) -> None:
+    global _rank_aware_depth, _torch_stable_hash
+    with _rank_aware_lock:
+        _rank_aware_depth -= 1
+        if _rank_aware_depth == 0:
+            dtensor_class._stable_hash_for_caching = _torch_stable_hash
+            _torch_stable_hash = None
+
+
+@contextlib.contextmanager
+def rank_aware_cache_keys(meshes: Iterable) -> Iterator[None]:
+    """Inside the block, DTensors on `meshes` that this context hashes for the AOTAutograd cache get
+    `rank_aware_cache_key` ([Note: per-rank AOTAutograd cache keys for DTensor inputs]); on exit
+    `DTensor._stable_hash_for_caching` is as it was. Nests (and runs on several threads at once).
+    `DTensor._stable_hash_for_caching`: checked on 2.13; absent on 2.11, where this does nothing."""
     from torch.distributed.tensor import DTensor
 
-    global _torch_stable_hash
-    _RANK_AWARE_MESHES.add(mesh)
-    current = getattr(DTensor, "_stable_hash_for_caching", None)
-    if current is _rank_aware_stable_hash:
+    if not hasattr(DTensor, "_stable_hash_for_caching"):
+        yield
         return
-    _torch_stable_hash = current
-    DTensor._stable_hash_for_caching = _rank_aware_stable_hash
+    token = _RANK_AWARE_MESHES.set(_RANK_AWARE_MESHES.get() | frozenset(meshes))
+    _open_rank_aware_scope(DTensor)
+    try:
+        yield
+    finally:
+        _close_rank_aware_scope(DTensor)
+        _RANK_AWARE_MESHES.reset(token)
 
 
 __all__ = [
@@ -491,6 +528,8 @@ __all__ = [
     "major_minor",
     "min_cut_rematerialization_partition",
     "module_fqn",
+    "rank_aware_cache_key",
+    "rank_aware_cache_keys",
     "reduce_scatter_single",
     "register_backend",
     "resolve_process_group",
@@ -501,6 +540,5 @@ __all__ = [
     "tree_leaves",
     "tree_map_only",
     "unwrap_compiled",
-    "use_rank_aware_cache_keys",
     "version_counter",
 ]

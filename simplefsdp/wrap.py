@@ -15,7 +15,6 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from simplefsdp import gloo
-from simplefsdp._compat import use_rank_aware_cache_keys
 from simplefsdp.accumulate import Accumulation, attach
 from simplefsdp.blocks import find_repeated_blocks, validate_patterns
 from simplefsdp.cached_params import repoint_caches, warn_about_cached_references, warn_about_eager_modules
@@ -294,13 +293,12 @@ def _install_on_root(model: nn.Module, settings: _Settings, *, passes: PassConfi
     if has_tied:
         install_scope(model)
     attach(model, settings.accumulation)
-    attach_pass(model, make_pass(model, passes, settings.mesh))
     # A torch bug (compile caches keyed without the rank's local shard: ranks sharing a cache
     # directory could load each other's graphs) is worked around for the DTensors of these
-    # parameters' meshes only; see [Note: per-rank AOTAutograd cache keys for DTensor inputs] in
-    # _compat.py. Process-wide but idempotent: other DTensors keep torch's own key.
-    for mesh in {p.device_mesh for p in model.parameters() if isinstance(p, DTensor)}:
-        use_rank_aware_cache_keys(mesh)
+    # parameters' meshes, while the model compiles only; see [Note: per-rank AOTAutograd cache keys
+    # for DTensor inputs] in _compat.py.
+    meshes = {p.device_mesh for p in model.parameters() if isinstance(p, DTensor)}
+    attach_pass(model, make_pass(model, passes, settings.mesh), cache_key_meshes=meshes)
     setattr(model, _ROOT_ATTR, True)
 
 
