@@ -264,16 +264,36 @@ def allocator_events(prof) -> list[tuple[int, int, int]]:
     return sorted(found)
 
 
-def count_cpu_allocations_on_every_thread() -> None:
-    """From now on, c10's CPU allocator keeps its running total of allocated bytes on every thread
-    (the `caffe2_report_cpu_memory_usage` flag of libc10), not only on threads the profiler
-    follows, so the totals `allocator_events` reads count a tensor freed on another thread (gloo
-    frees a reduction's staging copy on its worker thread). Never turned off again: a block
-    recorded while on and freed while off would keep its size in the allocator's table, and a
-    later free of the same address would subtract it. Costs a lock per CPU allocation. Linux
-    (libc10.so); the flag and its effect: checked on 2.13."""
+@functools.cache
+def _cpu_usage_flag() -> ctypes.c_bool:
     library = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libc10.so"))
-    ctypes.c_bool.in_dll(library, "FLAGS_caffe2_report_cpu_memory_usage").value = True
+    return ctypes.c_bool.in_dll(library, "FLAGS_caffe2_report_cpu_memory_usage")
+
+
+@contextlib.contextmanager
+def count_cpu_allocations_on_every_thread() -> Iterator[None]:
+    """Inside the block, c10's CPU allocator keeps its running total of allocated bytes on every
+    thread (the `caffe2_report_cpu_memory_usage` flag of libc10), not only on threads the profiler
+    follows, so the totals `allocator_events` reads count a tensor freed on another thread (gloo
+    frees a reduction's staging copy on its worker thread). On exit the flag is as it was (blocks
+    nest). Costs a lock per CPU allocation while on.
+
+    A block allocated inside and freed outside stays in the allocator's size table; a block allocated
+    outside and freed inside is not subtracted. So a series of measurements whose totals are compared
+    -- tensors living from one measured call into the next -- runs inside one block (the benchmarks'
+    memory rows do). Linux (libc10.so); the flag and its effect: checked on 2.13."""
+    flag = _cpu_usage_flag()
+    before = flag.value
+    flag.value = True
+    try:
+        yield
+    finally:
+        flag.value = before
+
+
+def counting_cpu_allocations_on_every_thread() -> bool:
+    """Whether `count_cpu_allocations_on_every_thread` is on now (the libc10 flag's value)."""
+    return bool(_cpu_usage_flag().value)
 
 
 def version_counter(tensor: torch.Tensor) -> int:
@@ -516,6 +536,7 @@ __all__ = [
     "chunk_cat",
     "compiled_in_place",
     "count_cpu_allocations_on_every_thread",
+    "counting_cpu_allocations_on_every_thread",
     "eager_top_frame",
     "flop_registry",
     "foreach_copy_",
