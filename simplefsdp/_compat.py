@@ -63,6 +63,7 @@ import re
 import sys
 import threading
 import types
+import weakref
 from collections.abc import Callable, Iterable, Iterator
 
 import torch
@@ -296,6 +297,36 @@ def counting_cpu_allocations_on_every_thread() -> bool:
     return bool(_cpu_usage_flag().value)
 
 
+# `nn.RNNBase`'s bookkeeping of its weights (`torch/nn/modules/rnn.py`): `_flat_weights_names` (the
+# weights' attribute names in the fused kernel's order), the `_flat_weights` list its forward and
+# input checks read, `_flat_weight_refs` (weak references it compares to decide whether to rebuild
+# that list) and the two methods that rebuild it, `_update_flat_weights` and `_init_flat_weights`
+# (`_apply`, so `.to()` / `to_empty()`, calls the latter). Checked on 2.13; added after the 2.11 review.
+RNN_FLAT_WEIGHTS = "_flat_weights"
+RNN_REBUILD_METHODS = ("_update_flat_weights", "_init_flat_weights")
+
+
+def rnn_weight_names(module: torch.nn.RNNBase) -> list[str]:
+    """The attribute names of `module`'s weights, in the order its fused kernel takes them."""
+    return module._flat_weights_names
+
+
+def point_rnn_weights(module: torch.nn.RNNBase, weights: list[torch.Tensor | None]) -> None:
+    """Make `module`'s own weight list (and the references it compares) hold `weights`."""
+    module.__dict__[RNN_FLAT_WEIGHTS] = weights
+    module.__dict__["_flat_weight_refs"] = [None if w is None else weakref.ref(w) for w in weights]
+
+
+# A warning torch logs at every trace of a selectively checkpointed region (`context_fn`) under
+# torch.compile, asking the user to make sure the region has no in-place ops: the logger that
+# emits it and a phrase of its text (`torch/_higher_order_ops/wrap.py`). Checked on 2.13; added
+# after the 2.11 review.
+CHECKPOINT_CONTEXT_FN_WARNING = (
+    "torch._higher_order_ops.wrap",
+    "context_fn is passed to torch.utils.checkpoint under torch.compile",
+)
+
+
 def version_counter(tensor: torch.Tensor) -> int:
     """How many in-place writes `tensor` has seen (its autograd version counter): a `.zero_()` or an
     optimizer's `zero_grad(set_to_none=False)` bumps it. `Tensor._version`: checked on 2.13."""
@@ -517,7 +548,10 @@ def rank_aware_cache_keys(meshes: Iterable) -> Iterator[None]:
 
 
 __all__ = [
+    "CHECKPOINT_CONTEXT_FN_WARNING",
     "DCP_METADATA_GLOBALS",
+    "RNN_FLAT_WEIGHTS",
+    "RNN_REBUILD_METHODS",
     "BoxedCodeGen",
     "CustomGraphModulePass",
     "CustomGraphPass",
@@ -549,11 +583,13 @@ __all__ = [
     "major_minor",
     "min_cut_rematerialization_partition",
     "module_fqn",
+    "point_rnn_weights",
     "rank_aware_cache_key",
     "rank_aware_cache_keys",
     "reduce_scatter_single",
     "register_backend",
     "resolve_process_group",
+    "rnn_weight_names",
     "root_mesh",
     "run_and_get_code",
     "set_torch_logs",
