@@ -1,12 +1,20 @@
-"""Run a function on every rank of a job: the ranks torchrun started, or ranks spawned here.
+"""Run a function on every rank of a job: the ranks of this process's group, torchrun's, or spawned ones.
 
     result = run_on_ranks(functools.partial(work, settings), nproc=None, device_type="cpu")
 
-Under torchrun (RANK, WORLD_SIZE and LOCAL_RANK set) this process is one rank: it joins the group
-torchrun describes (env:// rendezvous) and runs the function. Otherwise it spawns `nproc` ranks
-(default: 2 on the CPU, one per GPU), joined through a file in a temporary directory. CUDA ranks
-use NCCL and one GPU each (`cuda:LOCAL_RANK`); CPU ranks use gloo. `simplefsdp train` and
-`simplefsdp calibrate` start their ranks here.
+Where the ranks come from, first match:
+- this process is already in a default process group (a script that set one up, under torchrun or
+  another launcher): it is one rank, and runs the function on that group, which stays as it was;
+- under torchrun (RANK, WORLD_SIZE and LOCAL_RANK set) this process is one rank: it joins the group
+  torchrun describes (env:// rendezvous) for the call and leaves it after;
+- otherwise it spawns `nproc` ranks (default: 2 on the CPU, one per GPU), joined through a file in a
+  temporary directory.
+CUDA ranks use NCCL and one GPU each (`cuda:LOCAL_RANK`; in an existing group, the current device);
+CPU ranks use gloo. `simplefsdp train` and `simplefsdp calibrate` start their ranks here.
+
+The calling process's logging, warning filters and process group are left as they were: only
+spawned ranks (processes of this module's own) configure theirs ([Note: one rank speaks]). A
+command-line entry point that wants the same for a torchrun rank calls `setup_rank_logging` itself.
 
 [Note: compile threads when spawning on the CPU]
 Every spawned rank compiles its own graphs; by default inductor starts a pool of compile workers
@@ -52,7 +60,14 @@ from simplefsdp import gloo
 from simplefsdp._compat import set_torch_logs
 from simplefsdp.cpu_memory import keep_freed_memory
 
-__all__ = ["RankFailedError", "died_after_finishing", "run_on_ranks", "under_torchrun"]
+__all__ = [
+    "RankFailedError",
+    "died_after_finishing",
+    "gets_the_result",
+    "run_on_ranks",
+    "setup_rank_logging",
+    "under_torchrun",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -96,6 +111,31 @@ def _run(
         return result
     finally:
         dist.destroy_process_group()
+
+
+def setup_rank_logging(*, loggers: tuple[str, ...] = (), verbose: bool = False) -> None:
+    """For a command-line entry point: when this process is a torchrun rank, configure its logging as a
+    spawned rank's ([Note: one rank speaks]); otherwise do nothing (spawned ranks configure their own).
+    Library functions never call it."""
+    if under_torchrun():
+        _setup_logging(int(os.environ["RANK"]), loggers, verbose=verbose)
+
+
+def gets_the_result() -> bool:
+    """Whether `run_on_ranks` called here returns rank 0's result (not None): rank 0 of this process's
+    group or of a torchrun job, or a process that spawns its ranks. Where a command writes its output."""
+    if dist.is_initialized():
+        return dist.get_rank() == 0
+    if under_torchrun():
+        return int(os.environ["RANK"]) == 0
+    return True
+
+
+def _run_here(function: RankFunction, device_type: str) -> Any:
+    """`function(device)` on the default group this process is already in (left as it is)."""
+    device = torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
+    result = function(device)
+    return result if dist.get_rank() == 0 else None
 
 
 def _setup_logging(rank: int, loggers: tuple[str, ...], *, verbose: bool) -> None:
@@ -184,18 +224,20 @@ def run_on_ranks(
     timeout: datetime.timedelta | None = None,
 ) -> Any:
     """`function(device)` on every rank, inside an initialised default process group; returns rank
-    0's result (None on the other ranks of a torchrun job).
+    0's result (None on the other ranks when this process is one of them). Where the ranks come
+    from: the module docstring.
 
     `function` must be picklable (a module-level function or a `functools.partial` of one). A
     spawned rank's exception of a `passthrough` type is raised here as it is; any other becomes a
-    `RankFailedError` holding the lowest failing rank's traceback. `loggers` log at INFO on rank 0;
-    the other ranks show errors only unless `verbose` ([Note: one rank speaks]).
-    `timeout`: how long a collective may wait for the other ranks before it fails (default: the
-    process group's, 30 minutes).
+    `RankFailedError` holding the lowest failing rank's traceback. On spawned ranks, `loggers` log at INFO on
+    rank 0 and the other ranks show errors only unless `verbose` ([Note: one rank speaks]).
+    `nproc` applies to spawned ranks only; `timeout` (how long a collective may wait for the other
+    ranks before it fails; default: the process group's, 30 minutes) to a group made here.
     """
+    if dist.is_initialized():
+        return _run_here(function, device_type)
     if under_torchrun():
         rank = int(os.environ["RANK"])
-        _setup_logging(rank, loggers, verbose=verbose)
         result = _run(function, device_type, int(os.environ["LOCAL_RANK"]), timeout=timeout)
         return result if rank == 0 else None
     world = spawn_world(nproc, device_type)
