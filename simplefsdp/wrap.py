@@ -79,7 +79,12 @@ def wrap(
     (input casts, the tied-parameter scope, `no_sync` state, the compiler pass).
     """
     strategy, mp_policy = _check_arguments(
-        model, strategy=strategy, mp_policy=mp_policy, reduce_op=reduce_op, passes=passes
+        model,
+        strategy=strategy,
+        mp_policy=mp_policy,
+        reshard_after_forward=reshard_after_forward,
+        reduce_op=reduce_op,
+        passes=passes,
     )
     params = _floating_params(model)
     mesh = _check_model(model, params, mesh, strategy, passes=passes)
@@ -122,6 +127,7 @@ def _check_arguments(
     *,
     strategy: ShardingStrategy | str,
     mp_policy: MixedPrecisionPolicy | None,
+    reshard_after_forward: bool | None,
     reduce_op: str,
     passes: PassConfig | None,
 ) -> tuple[ShardingStrategy, MixedPrecisionPolicy]:
@@ -130,6 +136,10 @@ def _check_arguments(
     if not isinstance(model, nn.Module):
         raise TypeError(f"simplefsdp.wrap() takes an nn.Module, got {type(model).__name__}")
     strategy = ShardingStrategy.parse(strategy)
+    if reshard_after_forward is not None and not isinstance(reshard_after_forward, bool):
+        raise ValueError(
+            f"reshard_after_forward must be True, False or None (the strategy's default), got {reshard_after_forward!r}"
+        )
     if reduce_op not in ("avg", "sum"):
         raise ValueError(f"reduce_op must be 'avg' or 'sum', got {reduce_op!r}")
     if mp_policy is None:

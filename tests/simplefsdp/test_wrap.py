@@ -206,6 +206,13 @@ def test_bad_policy_and_reduce_op(mesh):
         simplefsdp.wrap(Transformer(ARGS), mesh, reduce_op="mean")
 
 
+@pytest.mark.parametrize("value", ["no", 0, 1.0])
+def test_reshard_after_forward_takes_a_bool_or_none(mesh, value):
+    """A truthy string or number is not taken for True (nor 0 for False)."""
+    with pytest.raises(ValueError, match=rf"reshard_after_forward must be True, False or None .*got {value!r}$"):
+        simplefsdp.wrap(Transformer(ARGS), mesh, reshard_after_forward=value)
+
+
 def test_not_a_module(mesh):
     with pytest.raises(TypeError, match=r"wrap\(\) takes an nn.Module, got list"):
         simplefsdp.wrap([nn.Linear(2, 2)], mesh)
