@@ -25,7 +25,6 @@ from simplefsdp.calibrate.high_water import high_water_bytes
 from simplefsdp.cpu_memory import keep_freed_memory, return_freed_memory, trim_freed_memory
 from simplefsdp.inspect.live_bytes import state_bytes
 from simplefsdp.models import TransformerArgs
-from simplefsdp.ranks import died_after_finishing
 
 __all__ = [
     "TORCH_BUILTIN_OPTIONS",
@@ -137,30 +136,18 @@ def _rank(rank: int, world: int, store: str, backend: str, worker: Callable, arg
     dist.init_process_group(backend, init_method=f"file://{store}", rank=rank, world_size=world)
     try:
         worker(rank, args, results)
-        results[_finished(rank)] = True  # a manager's dict: stored before the teardown below
     finally:
         dist.destroy_process_group()
-
-
-_FINISHED = "_finished_rank"  # + the rank: a key of the results, dropped before they are returned
-
-
-def _finished(rank: int) -> str:
-    return f"{_FINISHED}{rank}"
 
 
 def spawn(worker: Callable[[int, Any, dict], None], args: Any, *, world: int = 2, backend: str = "gloo") -> dict:
     """Run `worker(rank, args, results)` on `world` ranks (one GPU each with nccl); returns `results`.
 
     The ranks meet through a file in a fresh temporary directory, not a TCP port: two benchmarks
-    (or a benchmark and a test) running at once cannot collide."""
+    (or a benchmark and a test) running at once cannot collide. A rank that crashes fails the run,
+    also after its work ([Note: a rank that dies after finishing] in simplefsdp/ranks.py)."""
     with mp.Manager() as manager, tempfile.TemporaryDirectory(prefix="simplefsdp-bench-") as tmp:
         results = manager.dict()
         store = os.path.join(tmp, "store")
-        try:
-            mp.spawn(_rank, args=(world, store, backend, worker, args, results), nprocs=world, join=True)
-        except mp.ProcessExitedException as err:  # see `simplefsdp.ranks.died_after_finishing`
-            finished = [rank for rank in range(world) if results.get(_finished(rank))]
-            if not died_after_finishing(err, finished=finished, world=world):
-                raise
-        return {key: value for key, value in results.items() if not str(key).startswith(_FINISHED)}
+        mp.spawn(_rank, args=(world, store, backend, worker, args, results), nprocs=world, join=True)
+        return dict(results)

@@ -39,7 +39,7 @@ from _harness import release_freed_memory, spawn, state_bytes, transient_peak
 
 import simplefsdp
 from simplefsdp.calibrate import measure, profile_from
-from simplefsdp.calibrate.high_water import tensor_high_water_bytes
+from simplefsdp.calibrate.high_water import count_cpu_allocations_on_every_thread, tensor_high_water_bytes
 from simplefsdp.inspect import dry_run
 from simplefsdp.inspect.shapes import ModelShape
 from simplefsdp.models import Transformer, TransformerArgs
@@ -107,13 +107,14 @@ def _worker(rank: int, job: tuple[list[tuple[int, Config]], int], results: dict)
         times[index] = statistics.median(samples)
     release_freed_memory(device)  # after the timing: see `_harness.release_freed_memory`
     measured = {}
-    for index, (model, optimizer, step) in built.items():
-        step()  # settle allocations under the new malloc settings
-        dist.barrier()
-        tensors = tensor_high_water_bytes(step, device)
-        dist.barrier()
-        resident = transient_peak(step, device)
-        measured[index] = (state_bytes(model, optimizer) + tensors, state_bytes(model, optimizer) + resident)
+    with count_cpu_allocations_on_every_thread():  # what one step leaves to the next is counted
+        for index, (model, optimizer, step) in built.items():
+            step()  # settle allocations under the new malloc settings
+            dist.barrier()
+            tensors = tensor_high_water_bytes(step, device)
+            dist.barrier()
+            resident = transient_peak(step, device)
+            measured[index] = (state_bytes(model, optimizer) + tensors, state_bytes(model, optimizer) + resident)
     per_rank = [None] * dist.get_world_size()
     dist.all_gather_object(per_rank, measured)
     if rank == 0:

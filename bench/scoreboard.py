@@ -106,7 +106,7 @@ import simplefsdp
 from simplefsdp import gloo
 from simplefsdp._compat import functorch_config, inductor_config, major_minor
 from simplefsdp.calibrate import measure, profile_from
-from simplefsdp.calibrate.high_water import tensor_high_water_bytes
+from simplefsdp.calibrate.high_water import count_cpu_allocations_on_every_thread, tensor_high_water_bytes
 from simplefsdp.inspect import dry_run
 from simplefsdp.inspect.shapes import ModelShape
 from simplefsdp.models import Transformer
@@ -298,13 +298,14 @@ def _memory(rows: dict[str, Row], device: torch.device) -> dict[str, tuple[int, 
     """Row -> (tensor peak, resident peak) of this rank (see [Note: peak memory])."""
     release_freed_memory(device)
     peaks = {}
-    for name, row in rows.items():
-        row.step()  # settle allocations under the new malloc settings
-        dist.barrier()
-        tensors = tensor_high_water_bytes(row.step, device)
-        dist.barrier()
-        resident = transient_peak(row.step, device)
-        peaks[name] = (row.state_bytes() + tensors, row.state_bytes() + resident)
+    with count_cpu_allocations_on_every_thread():  # what one step leaves to the next is counted
+        for name, row in rows.items():
+            row.step()  # settle allocations under the new malloc settings
+            dist.barrier()
+            tensors = tensor_high_water_bytes(row.step, device)
+            dist.barrier()
+            resident = transient_peak(row.step, device)
+            peaks[name] = (row.state_bytes() + tensors, row.state_bytes() + resident)
     return peaks
 
 

@@ -31,8 +31,12 @@ ours produced -- except an inference-aware pass, which needs the `is_inference` 
 passes: it stays, and runs before ours. Where torch has no backend passes, the chain goes in
 `post_grad_custom_post_pass`.
 
+The same block gives the DTensors of the model's meshes per-rank compile-cache keys ([Note: per-rank
+AOTAutograd cache keys for DTensor inputs] in `_compat.py`), also with the passes off (a root
+without a pass gets the same eager wrapper, named `CompileScope[...]`, and enters that alone).
+
 Consequences:
-- unrelated compiles never see the pass: the slots are restored when the call returns;
+- unrelated compiles never see the pass, nor the per-rank keys: both end when the call returns;
 - the compile caches stay correct: the pass's `uuid()` (its config, groups and this process's
   rank, see [Note: the rank is part of the cache key]) is part of the key, and its decisions
   depend only on the graph, which is keyed already;
@@ -55,7 +59,7 @@ import hashlib
 import inspect
 import types
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import torch
 from torch import fx, nn
@@ -69,6 +73,7 @@ from simplefsdp._compat import (
     functorch_config,
     inductor_config,
     init_backend_registration,
+    rank_aware_cache_keys,
 )
 from simplefsdp.class_swap import subclass
 from simplefsdp.passes.fsdp_pass import FsdpPass, code_fingerprint
@@ -86,6 +91,7 @@ __all__ = [
 ]
 
 _PASS_ATTR = "_simplefsdp_pass"
+_MESHES_ATTR = "_simplefsdp_cache_key_meshes"  # the meshes of the wrapped root's sharded parameters
 
 
 def _takes_is_inference(graph_pass: object) -> bool:
@@ -228,16 +234,19 @@ def pass_of(model: nn.Module) -> FsdpPass | None:
 
 @contextlib.contextmanager
 def active(model: nn.Module) -> Iterator[FsdpPass | None]:
-    """Inside the block, compiles run `model`'s pass (chained with any pass already configured).
+    """Inside the block, compiles run `model`'s pass (chained with any pass already configured), and
+    the DTensors of its meshes get per-rank compile-cache keys ([Note: per-rank AOTAutograd cache
+    keys for DTensor inputs] in `_compat.py`); both end with the block.
 
     Needed only when the model is compiled as part of a larger function; `torch.compile(model)`
-    applies it by itself. A no-op if the model's passes are off.
+    applies it by itself. With the model's passes off, only the cache keys.
     """
     graph_pass = pass_of(model)
-    if graph_pass is None:
-        yield None
-        return
     with contextlib.ExitStack() as stack:
+        stack.enter_context(rank_aware_cache_keys(getattr(model, _MESHES_ATTR, ())))
+        if graph_pass is None:
+            yield None
+            return
         if not any(p is graph_pass for p in installed()):  # else a nested call of the same model
             stack.enter_context(running((graph_pass,)))
         if graph_pass.config.reorder is not None:
@@ -329,8 +338,8 @@ def _inactive_check(cls: type[nn.Module], pass_key: str) -> Callable[[], bool]:
             warned = True
             warnings.warn(
                 f"simplefsdp: a wrapped {cls.__name__} is being compiled inside a larger compiled function, "
-                "where simplefsdp's graph passes (bucketing, reordering) do not run by themselves; the "
-                "graphs will be correct but unbucketed. Call the compiled function inside "
+                "where simplefsdp's graph passes (bucketing, reordering) and per-rank compile-cache keys do "
+                "not apply by themselves; the graphs will be correct but unbucketed. Call the compiled function inside "
                 "`with simplefsdp.passes.install.active(model):`, or compile the model itself.",
                 UserWarning,
                 stacklevel=2,
@@ -341,20 +350,22 @@ def _inactive_check(cls: type[nn.Module], pass_key: str) -> Callable[[], bool]:
 
 
 @functools.cache
-def _compiling_class(cls: type[nn.Module], pass_key: str) -> type[nn.Module]:
-    """`cls` with a `forward` that runs under the pass keyed `pass_key` (its `uuid()`), named
-    `PassOnCompile[<cls>]` so a traceback or `repr` says what was added."""
+def _compiling_class(cls: type[nn.Module], pass_key: str | None) -> type[nn.Module]:
+    """`cls` with a `forward` that runs inside `active(model)`: under the pass keyed `pass_key` (its
+    `uuid()`), named `PassOnCompile[<cls>]`, or, with passes off (None), under the compile-cache
+    scope alone, named `CompileScope[<cls>]`, so a traceback or `repr` says what was added."""
     original_forward = cls.forward
 
     def compiled_entry(self, *args, **kwargs):
         return original_forward(self, *args, **kwargs)
 
     entry = _fresh_code(compiled_entry)
-    check_configured = _inactive_check(cls, pass_key)
+    check_configured = None if pass_key is None else _inactive_check(cls, pass_key)
 
     def forward(self, *args, **kwargs):
         if torch.compiler.is_compiling():  # inlined into a larger compiled function, see the module note
-            check_configured()
+            if check_configured is not None:
+                check_configured()
             return original_forward(self, *args, **kwargs)
         stack = _enter(self)
         try:
@@ -366,13 +377,13 @@ def _compiling_class(cls: type[nn.Module], pass_key: str) -> type[nn.Module]:
     # what `inspect.signature` reports: the original's, for callers that read it (Hugging Face's
     # Trainer keeps only the dataset columns the model's `forward` names)
     forward.__signature__ = inspect.signature(original_forward)
-    return subclass(
-        cls, adds="PassOnCompile", attrs={"forward": eager_top_frame(forward), "__module__": cls.__module__}
-    )
+    adds = "CompileScope" if pass_key is None else "PassOnCompile"
+    return subclass(cls, adds=adds, attrs={"forward": eager_top_frame(forward), "__module__": cls.__module__})
 
 
-def attach_pass(model: nn.Module, graph_pass: FsdpPass | None) -> None:
-    """Attach `graph_pass` to the wrapped root `model` so its compiles run it (None: passes off)."""
+def attach_pass(model: nn.Module, graph_pass: FsdpPass | None, *, cache_key_meshes: Iterable[object] = ()) -> None:
+    """Attach `graph_pass` to the wrapped root `model` so its compiles run it (None: passes off), and
+    give the DTensors on `cache_key_meshes` per-rank compile-cache keys while it compiles."""
     setattr(model, _PASS_ATTR, graph_pass)
-    if graph_pass is not None:
-        model.__class__ = _compiling_class(type(model), graph_pass.uuid())
+    setattr(model, _MESHES_ATTR, tuple(cache_key_meshes))
+    model.__class__ = _compiling_class(type(model), None if graph_pass is None else graph_pass.uuid())

@@ -37,9 +37,9 @@ runs on 2.11 instead.
   pickles no other name was not checked).
 - init_fake_process_group: 2.11 < 2.13, so the fallback runs: `FakeStore` from
   `torch.testing._internal.distributed.fake_pg` (present, checked).
-- use_rank_aware_cache_keys: 2.11's DTensor has no `_stable_hash_for_caching` and no file of the
-  2.11 wheel names it -- fallback: the method is set but nothing calls it, so the per-rank key does
-  nothing on 2.11. Whether 2.11's cache can serve one rank another's graph is not known.
+- rank_aware_cache_keys: 2.11's DTensor has no `_stable_hash_for_caching` and no file of the
+  2.11 wheel names it -- fallback: the scope does nothing (there is no method to replace), so the
+  per-rank key does nothing on 2.11. Whether 2.11's cache can serve one rank another's graph is not known.
 - allocator_events, count_cpu_allocations_on_every_thread: added after this review (used by the
   benchmarks' tensor-peak measurement, `calibrate.high_water.tensor_high_water_bytes`); not read
   against 2.11.
@@ -54,14 +54,17 @@ functions (`torch._foreach_copy_`, `torch._chunk_cat`) are.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import ctypes
 import functools
 import os
 import re
 import sys
+import threading
 import types
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 
@@ -262,16 +265,66 @@ def allocator_events(prof) -> list[tuple[int, int, int]]:
     return sorted(found)
 
 
-def count_cpu_allocations_on_every_thread() -> None:
-    """From now on, c10's CPU allocator keeps its running total of allocated bytes on every thread
-    (the `caffe2_report_cpu_memory_usage` flag of libc10), not only on threads the profiler
-    follows, so the totals `allocator_events` reads count a tensor freed on another thread (gloo
-    frees a reduction's staging copy on its worker thread). Never turned off again: a block
-    recorded while on and freed while off would keep its size in the allocator's table, and a
-    later free of the same address would subtract it. Costs a lock per CPU allocation. Linux
-    (libc10.so); the flag and its effect: checked on 2.13."""
+@functools.cache
+def _cpu_usage_flag() -> ctypes.c_bool:
     library = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libc10.so"))
-    ctypes.c_bool.in_dll(library, "FLAGS_caffe2_report_cpu_memory_usage").value = True
+    return ctypes.c_bool.in_dll(library, "FLAGS_caffe2_report_cpu_memory_usage")
+
+
+@contextlib.contextmanager
+def count_cpu_allocations_on_every_thread() -> Iterator[None]:
+    """Inside the block, c10's CPU allocator keeps its running total of allocated bytes on every
+    thread (the `caffe2_report_cpu_memory_usage` flag of libc10), not only on threads the profiler
+    follows, so the totals `allocator_events` reads count a tensor freed on another thread (gloo
+    frees a reduction's staging copy on its worker thread). On exit the flag is as it was (blocks
+    nest). Costs a lock per CPU allocation while on.
+
+    A block allocated inside and freed outside stays in the allocator's size table; a block allocated
+    outside and freed inside is not subtracted. So a series of measurements whose totals are compared
+    -- tensors living from one measured call into the next -- runs inside one block (the benchmarks'
+    memory rows do). Linux (libc10.so); the flag and its effect: checked on 2.13."""
+    flag = _cpu_usage_flag()
+    before = flag.value
+    flag.value = True
+    try:
+        yield
+    finally:
+        flag.value = before
+
+
+def counting_cpu_allocations_on_every_thread() -> bool:
+    """Whether `count_cpu_allocations_on_every_thread` is on now (the libc10 flag's value)."""
+    return bool(_cpu_usage_flag().value)
+
+
+# `nn.RNNBase`'s bookkeeping of its weights (`torch/nn/modules/rnn.py`): `_flat_weights_names` (the
+# weights' attribute names in the fused kernel's order), the `_flat_weights` list its forward and
+# input checks read, `_flat_weight_refs` (weak references it compares to decide whether to rebuild
+# that list) and the two methods that rebuild it, `_update_flat_weights` and `_init_flat_weights`
+# (`_apply`, so `.to()` / `to_empty()`, calls the latter). Checked on 2.13; added after the 2.11 review.
+RNN_FLAT_WEIGHTS = "_flat_weights"
+RNN_REBUILD_METHODS = ("_update_flat_weights", "_init_flat_weights")
+
+
+def rnn_weight_names(module: torch.nn.RNNBase) -> list[str]:
+    """The attribute names of `module`'s weights, in the order its fused kernel takes them."""
+    return module._flat_weights_names
+
+
+def point_rnn_weights(module: torch.nn.RNNBase, weights: list[torch.Tensor | None]) -> None:
+    """Make `module`'s own weight list (and the references it compares) hold `weights`."""
+    module.__dict__[RNN_FLAT_WEIGHTS] = weights
+    module.__dict__["_flat_weight_refs"] = [None if w is None else weakref.ref(w) for w in weights]
+
+
+# A warning torch logs at every trace of a selectively checkpointed region (`context_fn`) under
+# torch.compile, asking the user to make sure the region has no in-place ops: the logger that
+# emits it and a phrase of its text (`torch/_higher_order_ops/wrap.py`). Checked on 2.13; added
+# after the 2.11 review.
+CHECKPOINT_CONTEXT_FN_WARNING = (
+    "torch._higher_order_ops.wrap",
+    "context_fn is passed to torch.utils.checkpoint under torch.compile",
+)
 
 
 def version_counter(tensor: torch.Tensor) -> int:
@@ -409,27 +462,35 @@ def init_fake_process_group(*, rank: int, world_size: int) -> None:
 # another's graph and failed a size assert, another could not resolve a group name, a third hung in
 # a collective.
 # The fix appends what the spec leaves out -- this rank's local shape and stride, its mesh
-# coordinate and the group names of the mesh dims -- so ranks whose graphs can differ get different
-# keys and ranks whose graphs are identical still share. It only ever makes keys more specific (never
-# a wrong hit where torch had none).
-# How narrow it can be: torch calls the method on the fake copies of the graph's inputs that Dynamo
-# makes (not on the parameters themselves), so it cannot be set per parameter; it has to be on the
-# class. It changes the key only of DTensors on a mesh `wrap()` sharded parameters over (the fake
-# copies keep their parameter's mesh object); every other DTensor gets torch's own key, unchanged
-# (on a torch without the method, where AOTAutograd would hash the tensor its own way, a summary of
-# its spec).
-_RANK_AWARE_MESHES: weakref.WeakSet = weakref.WeakSet()
-_torch_stable_hash = None  # torch's own DTensor._stable_hash_for_caching, once wrapped
+# coordinate and the group names of the mesh dims (`rank_aware_cache_key`, the one place that says
+# what goes into the key) -- so ranks whose graphs can differ get different keys and ranks whose
+# graphs are identical still share. It only ever makes keys more specific (never a wrong hit where
+# torch had none).
+# Where it applies: only inside `rank_aware_cache_keys(meshes)`, which a wrapped model enters while
+# it compiles (`passes/install.py`: its forward, or `active(model)` around a larger compiled
+# function), and only to DTensors on those meshes, hashed on the thread (context) that entered it.
+# A wrapped model traced inside a larger compiled function outside `active(model)` gets torch's
+# keys, as it gets no pass there.
+# torch calls the method on the fake copies of the graph's inputs that Dynamo makes (not on the
+# parameters themselves, whose mesh object the copies keep), so it cannot be set per parameter: it
+# has to be the class attribute. The scope replaces it on entry of the outermost scope and puts
+# torch's own function back when the last one ends; outside, `DTensor._stable_hash_for_caching` is
+# torch's, and every DTensor -- on a mesh a wrapped model uses or not -- gets torch's key. A torch
+# without the method (2.11, see the review) is left alone: nothing there would call it.
+_RANK_AWARE_MESHES: contextvars.ContextVar[frozenset] = contextvars.ContextVar(
+    "simplefsdp_rank_aware_meshes", default=frozenset()
+)
+_rank_aware_lock = threading.Lock()
+_rank_aware_depth = 0  # scopes open, over all threads
+_torch_stable_hash: Callable[..., str] | None = None  # torch's own method while a scope replaces it
 
 
-def _rank_aware_stable_hash(self) -> str:
+def rank_aware_cache_key(dtensor, own: str) -> str:
+    """The AOTAutograd cache key of `dtensor` in a wrapped model's compile: torch's own key `own`
+    with what makes this rank's graph differ from another's (see the Note)."""
     import hashlib
 
-    own = _torch_stable_hash(self) if _torch_stable_hash is not None else _spec_summary(self)
-    mesh = self.device_mesh
-    if mesh not in _RANK_AWARE_MESHES:
-        return own
-    local = self._local_tensor
+    mesh, local = dtensor.device_mesh, dtensor._local_tensor
     extra = (
         tuple(local.shape),
         tuple(local.stride()),
@@ -439,24 +500,51 @@ def _rank_aware_stable_hash(self) -> str:
     return hashlib.blake2b((own + repr(extra)).encode(), digest_size=16).hexdigest()
 
 
-def _spec_summary(self) -> str:
-    """What torch's own hash covers, for a torch without `DTensor._stable_hash_for_caching`."""
-    return repr((self.device_mesh.mesh.tolist(), self.placements, tuple(self.shape), self.dtype, self.requires_grad))
+def _scoped_stable_hash(self) -> str:
+    """What `DTensor._stable_hash_for_caching` is while a scope is open: torch's key, made rank-aware
+    for a DTensor on one of the meshes this context's scope named."""
+    own = _torch_stable_hash(self)
+    if self.device_mesh not in _RANK_AWARE_MESHES.get():
+        return own
+    return rank_aware_cache_key(self, own)
 
 
-def use_rank_aware_cache_keys(mesh) -> None:
-    """Give DTensors on `mesh` the cache key of [Note: per-rank AOTAutograd cache keys for DTensor
-    inputs]. Idempotent: the class method is wrapped once per process, a mesh registered once.
-    `DTensor._stable_hash_for_caching`: checked on 2.13."""
+def _open_rank_aware_scope(dtensor_class: type) -> None:
+    global _rank_aware_depth, _torch_stable_hash
+    with _rank_aware_lock:
+        if _rank_aware_depth == 0:
+            _torch_stable_hash = dtensor_class._stable_hash_for_caching
+            dtensor_class._stable_hash_for_caching = _scoped_stable_hash
+        _rank_aware_depth += 1
+
+
+def _close_rank_aware_scope(dtensor_class: type) -> None:
+    global _rank_aware_depth, _torch_stable_hash
+    with _rank_aware_lock:
+        _rank_aware_depth -= 1
+        if _rank_aware_depth == 0:
+            dtensor_class._stable_hash_for_caching = _torch_stable_hash
+            _torch_stable_hash = None
+
+
+@contextlib.contextmanager
+def rank_aware_cache_keys(meshes: Iterable) -> Iterator[None]:
+    """Inside the block, DTensors on `meshes` that this context hashes for the AOTAutograd cache get
+    `rank_aware_cache_key` ([Note: per-rank AOTAutograd cache keys for DTensor inputs]); on exit
+    `DTensor._stable_hash_for_caching` is as it was. Nests (and runs on several threads at once).
+    `DTensor._stable_hash_for_caching`: checked on 2.13; absent on 2.11, where this does nothing."""
     from torch.distributed.tensor import DTensor
 
-    global _torch_stable_hash
-    _RANK_AWARE_MESHES.add(mesh)
-    current = getattr(DTensor, "_stable_hash_for_caching", None)
-    if current is _rank_aware_stable_hash:
+    if not hasattr(DTensor, "_stable_hash_for_caching"):
+        yield
         return
-    _torch_stable_hash = current
-    DTensor._stable_hash_for_caching = _rank_aware_stable_hash
+    token = _RANK_AWARE_MESHES.set(_RANK_AWARE_MESHES.get() | frozenset(meshes))
+    _open_rank_aware_scope(DTensor)
+    try:
+        yield
+    finally:
+        _close_rank_aware_scope(DTensor)
+        _RANK_AWARE_MESHES.reset(token)
 
 
 # [Note: the Trainer and Accelerate internals simplefsdp.hf relies on]
@@ -533,7 +621,10 @@ def trainer_file_names() -> tuple[str, str]:
 
 __all__ = [
     "ACCELERATE_FLOOR",
+    "CHECKPOINT_CONTEXT_FN_WARNING",
     "DCP_METADATA_GLOBALS",
+    "RNN_FLAT_WEIGHTS",
+    "RNN_REBUILD_METHODS",
     "TRAINER_HOOKS",
     "BoxedCodeGen",
     "CustomGraphModulePass",
@@ -554,6 +645,7 @@ __all__ = [
     "chunk_cat",
     "compiled_in_place",
     "count_cpu_allocations_on_every_thread",
+    "counting_cpu_allocations_on_every_thread",
     "eager_top_frame",
     "flop_registry",
     "foreach_copy_",
@@ -567,9 +659,13 @@ __all__ = [
     "mark_prepared_for_accelerate",
     "min_cut_rematerialization_partition",
     "module_fqn",
+    "point_rnn_weights",
+    "rank_aware_cache_key",
+    "rank_aware_cache_keys",
     "reduce_scatter_single",
     "register_backend",
     "resolve_process_group",
+    "rnn_weight_names",
     "root_mesh",
     "run_and_get_code",
     "set_torch_logs",
@@ -579,6 +675,5 @@ __all__ = [
     "tree_map_only",
     "unwrap_compiled",
     "use_grad_scaler",
-    "use_rank_aware_cache_keys",
     "version_counter",
 ]

@@ -39,12 +39,12 @@ layer's weights per call, not measured here (no GPU has been available).
 from __future__ import annotations
 
 import logging
-import weakref
 from collections.abc import Iterator
 
 import torch
 from torch import nn
 
+from simplefsdp._compat import RNN_FLAT_WEIGHTS, RNN_REBUILD_METHODS, point_rnn_weights, rnn_weight_names
 from simplefsdp.class_swap import user_class
 
 __all__ = ["gathered_attributes", "repoint_caches", "warn_about_cached_references", "warn_about_eager_modules"]
@@ -57,11 +57,15 @@ _MODULE_OWN = {"_parameters", "_buffers", "_modules"}  # nn.Module's registries:
 _GATHERED = "_simplefsdp_gathered_flat_weights"  # this forward's gathered weights, while it runs
 
 
+def _gathered_weights(self: nn.RNNBase) -> list[torch.Tensor | None]:
+    return [getattr(self, name, None) for name in rnn_weight_names(self)]
+
+
 def _flat_weights(self: nn.RNNBase) -> list[torch.Tensor | None]:
     gathered = self.__dict__.get(_GATHERED)
     if gathered is not None:
         return gathered
-    return [getattr(self, name, None) for name in self._flat_weights_names]
+    return _gathered_weights(self)
 
 
 def _set_flat_weights(self: nn.RNNBase, value: list) -> None:
@@ -77,7 +81,7 @@ def _eager_forward(cls: type[nn.RNNBase]):
     checks read `_flat_weights` too); see [Note: recurrent modules run eagerly]."""
 
     def forward(self: nn.RNNBase, *args, **kwargs):
-        self.__dict__[_GATHERED] = [getattr(self, name, None) for name in self._flat_weights_names]
+        self.__dict__[_GATHERED] = _gathered_weights(self)
         try:
             return cls.forward(self, *args, **kwargs)
         finally:
@@ -92,9 +96,9 @@ def gathered_attributes(cls: type[nn.Module]) -> dict[str, object]:
         return {}
     return {
         "forward": _eager_forward(cls),
-        "_flat_weights": property(_flat_weights, _set_flat_weights, doc="Each weight gathered, in kernel order."),
-        "_update_flat_weights": _nothing_to_do,
-        "_init_flat_weights": _nothing_to_do,  # `_apply` (`.to()`, `to_empty()`) calls it: no gather there
+        RNN_FLAT_WEIGHTS: property(_flat_weights, _set_flat_weights, doc="Each weight gathered, in kernel order."),
+        # nothing to rebuild; `_apply` (`.to()`, `to_empty()`) calls one of them: no gather there
+        **dict.fromkeys(RNN_REBUILD_METHODS, _nothing_to_do),
         "flatten_parameters": _nothing_to_do,
     }
 
@@ -116,7 +120,7 @@ def warn_about_cached_references(model: nn.Module) -> list[str]:
     found = []
     for name, module in model.named_modules():
         for attr, value in vars(module).items():
-            if attr in _MODULE_OWN or (attr == "_flat_weights" and isinstance(module, nn.RNNBase)):
+            if attr in _MODULE_OWN or (attr == RNN_FLAT_WEIGHTS and isinstance(module, nn.RNNBase)):
                 continue
             if any(id(t) in params for t in _tensors_in(value)):
                 found.append(f"{name or '<root>'}.{attr}")
@@ -138,9 +142,7 @@ def repoint_caches(module: nn.Module) -> None:
     """After `module`'s parameters were replaced: an `nn.RNNBase`'s own `_flat_weights` list holds
     the new (sharded) parameters, not the originals."""
     if isinstance(module, nn.RNNBase):
-        weights = [module._parameters.get(n) for n in module._flat_weights_names]
-        module.__dict__["_flat_weights"] = weights
-        module.__dict__["_flat_weight_refs"] = [None if w is None else weakref.ref(w) for w in weights]
+        point_rnn_weights(module, [module._parameters.get(n) for n in rnn_weight_names(module)])
 
 
 def warn_about_eager_modules(model: nn.Module) -> list[str]:

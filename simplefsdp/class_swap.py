@@ -6,7 +6,8 @@ so that parameter names, state-dict keys and `isinstance` checks do not change:
 
 - `GatherOnAccess[<class>]` (`parametrize.py`): properties that gather each sharded parameter;
 - `Checkpointed[<class>]` (`activation_checkpoint.py`): a forward under activation checkpointing;
-- `PassOnCompile[<class>]` (`passes/install.py`): a root forward that compiles with the model's pass.
+- `PassOnCompile[<class>]` (`passes/install.py`): a root forward that compiles with the model's pass
+  (`CompileScope[<class>]` with passes off: its compiles get the per-rank cache keys only).
 
 They stack (`PassOnCompile[GatherOnAccess[Checkpointed[Block]]]`), and each name says what its
 layer adds, so `repr(model)` and a traceback show what happened. Messages to a user name the

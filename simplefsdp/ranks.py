@@ -1,12 +1,20 @@
-"""Run a function on every rank of a job: the ranks torchrun started, or ranks spawned here.
+"""Run a function on every rank of a job: the ranks of this process's group, torchrun's, or spawned ones.
 
     result = run_on_ranks(functools.partial(work, settings), nproc=None, device_type="cpu")
 
-Under torchrun (RANK, WORLD_SIZE and LOCAL_RANK set) this process is one rank: it joins the group
-torchrun describes (env:// rendezvous) and runs the function. Otherwise it spawns `nproc` ranks
-(default: 2 on the CPU, one per GPU), joined through a file in a temporary directory. CUDA ranks
-use NCCL and one GPU each (`cuda:LOCAL_RANK`); CPU ranks use gloo. `simplefsdp train` and
-`simplefsdp calibrate` start their ranks here.
+Where the ranks come from, first match:
+- this process is already in a default process group (a script that set one up, under torchrun or
+  another launcher): it is one rank, and runs the function on that group, which stays as it was;
+- under torchrun (RANK, WORLD_SIZE and LOCAL_RANK set) this process is one rank: it joins the group
+  torchrun describes (env:// rendezvous) for the call and leaves it after;
+- otherwise it spawns `nproc` ranks (default: 2 on the CPU, one per GPU), joined through a file in a
+  temporary directory.
+CUDA ranks use NCCL and one GPU each (`cuda:LOCAL_RANK`; in an existing group, the current device);
+CPU ranks use gloo. `simplefsdp train` and `simplefsdp calibrate` start their ranks here.
+
+The calling process's logging, warning filters and process group are left as they were: only
+spawned ranks (processes of this module's own) configure theirs ([Note: one rank speaks]). A
+command-line entry point that wants the same for a torchrun rank calls `setup_rank_logging` itself.
 
 [Note: compile threads when spawning on the CPU]
 Every spawned rank compiles its own graphs; by default inductor starts a pool of compile workers
@@ -17,12 +25,12 @@ for their next step ([Note: freed memory kept on the CPU] in `cpu_memory.py`). U
 user's environment is left as it is.
 
 [Note: a rank that dies after finishing]
-A gloo rank has been seen to abort ("terminate called without an active exception", SIGABRT) in 3
-of about 45 short calibration runs on a loaded 2-core host, at the end of the run: after its work,
-while its process group was torn down. Every rank therefore reports that it finished before the teardown;
-when a rank dies and every rank had reported, the work is complete and rank 0's result is
-returned with a warning that names the rank and the signal. A rank that dies before reporting
-still fails the job.
+Every rank reports that it finished before its process group is torn down, so that a rank that
+then dies (a signal, or a non-zero exit in the teardown) is still told apart from one that died in
+its work. Either is a failure: a crash means the process was not sound -- a heap corrupted by a
+race, as torch's two gloo workers can do ([Note: torch's two gloo workers race] in `gloo.py`), is
+noticed by glibc at some later free -- so the results it reported are not trusted.
+`RankFailedError` names the rank, how it ended and that it had reported its result.
 
 [Note: one rank speaks]
 Every rank runs the same code and meets the same warnings; N copies of each, interleaved through
@@ -41,8 +49,8 @@ import queue
 import tempfile
 import traceback
 import warnings
-from collections.abc import Callable, Collection, Iterator
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -52,7 +60,7 @@ from simplefsdp import gloo
 from simplefsdp._compat import set_torch_logs
 from simplefsdp.cpu_memory import keep_freed_memory
 
-__all__ = ["RankFailedError", "died_after_finishing", "run_on_ranks", "under_torchrun"]
+__all__ = ["RankFailedError", "gets_the_result", "run_on_ranks", "setup_rank_logging", "under_torchrun"]
 
 logger = logging.getLogger(__name__)
 
@@ -96,6 +104,31 @@ def _run(
         return result
     finally:
         dist.destroy_process_group()
+
+
+def setup_rank_logging(*, loggers: tuple[str, ...] = (), verbose: bool = False) -> None:
+    """For a command-line entry point: when this process is a torchrun rank, configure its logging as a
+    spawned rank's ([Note: one rank speaks]); otherwise do nothing (spawned ranks configure their own).
+    Library functions never call it."""
+    if under_torchrun():
+        _setup_logging(int(os.environ["RANK"]), loggers, verbose=verbose)
+
+
+def gets_the_result() -> bool:
+    """Whether `run_on_ranks` called here returns rank 0's result (not None): rank 0 of this process's
+    group or of a torchrun job, or a process that spawns its ranks. Where a command writes its output."""
+    if dist.is_initialized():
+        return dist.get_rank() == 0
+    if under_torchrun():
+        return int(os.environ["RANK"]) == 0
+    return True
+
+
+def _run_here(function: RankFunction, device_type: str) -> Any:
+    """`function(device)` on the default group this process is already in (left as it is)."""
+    device = torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
+    result = function(device)
+    return result if dist.get_rank() == 0 else None
 
 
 def _setup_logging(rank: int, loggers: tuple[str, ...], *, verbose: bool) -> None:
@@ -184,18 +217,21 @@ def run_on_ranks(
     timeout: datetime.timedelta | None = None,
 ) -> Any:
     """`function(device)` on every rank, inside an initialised default process group; returns rank
-    0's result (None on the other ranks of a torchrun job).
+    0's result (None on the other ranks when this process is one of them). Where the ranks come
+    from: the module docstring.
 
     `function` must be picklable (a module-level function or a `functools.partial` of one). A
     spawned rank's exception of a `passthrough` type is raised here as it is; any other becomes a
-    `RankFailedError` holding the lowest failing rank's traceback. `loggers` log at INFO on rank 0;
-    the other ranks show errors only unless `verbose` ([Note: one rank speaks]).
-    `timeout`: how long a collective may wait for the other ranks before it fails (default: the
-    process group's, 30 minutes).
+    `RankFailedError` holding the lowest failing rank's traceback, as does a spawned rank that
+    crashed ([Note: a rank that dies after finishing]). On spawned ranks, `loggers` log at INFO on
+    rank 0 and the other ranks show errors only unless `verbose` ([Note: one rank speaks]).
+    `nproc` applies to spawned ranks only; `timeout` (how long a collective may wait for the other
+    ranks before it fails; default: the process group's, 30 minutes) to a group made here.
     """
+    if dist.is_initialized():
+        return _run_here(function, device_type)
     if under_torchrun():
         rank = int(os.environ["RANK"])
-        _setup_logging(rank, loggers, verbose=verbose)
         result = _run(function, device_type, int(os.environ["LOCAL_RANK"]), timeout=timeout)
         return result if rank == 0 else None
     world = spawn_world(nproc, device_type)
@@ -207,7 +243,7 @@ def run_on_ranks(
         try:
             mp.start_processes(_spawned, args=args, nprocs=world, start_method="spawn")
         except (mp.ProcessExitedException, mp.ProcessRaisedException) as err:
-            return _after_failure(err, _reports(results), world)
+            _after_failure(err, _reports(results))
     return _rank0_result([results.get(timeout=60) for _ in range(world)])
 
 
@@ -218,25 +254,17 @@ def _rank0_result(reports: list[tuple[int, object, str | None]]) -> Any:
     raise RankFailedError("rank 0 finished but its result did not arrive")
 
 
-def _after_failure(err: BaseException, reports: list[tuple[int, object, str | None]], world: int) -> Any:
-    """Raise the lowest failing rank's error -- or, when every rank had finished its work before one
-    died (a crash while tearing down its process group: [Note: a rank that dies after finishing]),
-    warn and return rank 0's result."""
+def _after_failure(err: BaseException, reports: list[tuple[int, object, str | None]]) -> NoReturn:
+    """Raise the lowest failing rank's error; a rank that crashed is a failure even when it had
+    reported its result first ([Note: a rank that dies after finishing])."""
     failures = sorted((r for r in reports if r[2] is not None), key=lambda r: r[0])
     if failures:
         rank, passed, text = failures[0]
         if passed is not None:
             raise passed from None
         raise RankFailedError(f"rank {rank} failed:\n{text}") from None
-    if died_after_finishing(err, finished={rank for rank, _, _ in reports}, world=world):
-        return _rank0_result(reports)
+    finished = {rank for rank, _, _ in reports}
+    crashed = getattr(err, "error_index", None)
+    if crashed in finished:
+        raise RankFailedError(f"{err}, after it had reported its result: the run's results are not trusted") from None
     raise RankFailedError(str(err)) from None
-
-
-def died_after_finishing(err: BaseException, *, finished: Collection[int], world: int) -> bool:
-    """True (and a warning logged) when `err`, from `torch.multiprocessing`, is a rank that died after
-    every rank of `world` had reported it `finished` its work ([Note: a rank that dies after finishing])."""
-    if isinstance(err, mp.ProcessExitedException) and set(finished) == set(range(world)):
-        logger.warning("%s after every rank had finished its work; the results are complete", err)
-        return True
-    return False

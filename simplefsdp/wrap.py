@@ -15,7 +15,6 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from simplefsdp import gloo
-from simplefsdp._compat import use_rank_aware_cache_keys
 from simplefsdp.accumulate import Accumulation, attach
 from simplefsdp.blocks import find_repeated_blocks, validate_patterns
 from simplefsdp.cached_params import repoint_caches, warn_about_cached_references, warn_about_eager_modules
@@ -80,7 +79,12 @@ def wrap(
     (input casts, the tied-parameter scope, `no_sync` state, the compiler pass).
     """
     strategy, mp_policy = _check_arguments(
-        model, strategy=strategy, mp_policy=mp_policy, reduce_op=reduce_op, passes=passes
+        model,
+        strategy=strategy,
+        mp_policy=mp_policy,
+        reshard_after_forward=reshard_after_forward,
+        reduce_op=reduce_op,
+        passes=passes,
     )
     params = _floating_params(model)
     mesh = _check_model(model, params, mesh, strategy, passes=passes)
@@ -142,6 +146,7 @@ def _check_arguments(
     *,
     strategy: ShardingStrategy | str,
     mp_policy: MixedPrecisionPolicy | None,
+    reshard_after_forward: bool | None,
     reduce_op: str,
     passes: PassConfig | None,
 ) -> tuple[ShardingStrategy, MixedPrecisionPolicy]:
@@ -150,6 +155,10 @@ def _check_arguments(
     if not isinstance(model, nn.Module):
         raise TypeError(f"simplefsdp.wrap() takes an nn.Module, got {type(model).__name__}")
     strategy = ShardingStrategy.parse(strategy)
+    if reshard_after_forward is not None and not isinstance(reshard_after_forward, bool):
+        raise ValueError(
+            f"reshard_after_forward must be True, False or None (the strategy's default), got {reshard_after_forward!r}"
+        )
     if reduce_op not in ("avg", "sum"):
         raise ValueError(f"reduce_op must be 'avg' or 'sum', got {reduce_op!r}")
     if mp_policy is None:
@@ -315,13 +324,12 @@ def _install_on_root(model: nn.Module, settings: _Settings, *, passes: PassConfi
     if has_tied:
         install_scope(model)
     attach(model, settings.accumulation)
-    attach_pass(model, make_pass(model, passes, settings.mesh))
     # A torch bug (compile caches keyed without the rank's local shard: ranks sharing a cache
     # directory could load each other's graphs) is worked around for the DTensors of these
-    # parameters' meshes only; see [Note: per-rank AOTAutograd cache keys for DTensor inputs] in
-    # _compat.py. Process-wide but idempotent: other DTensors keep torch's own key.
-    for mesh in {p.device_mesh for p in model.parameters() if isinstance(p, DTensor)}:
-        use_rank_aware_cache_keys(mesh)
+    # parameters' meshes, while the model compiles only; see [Note: per-rank AOTAutograd cache keys
+    # for DTensor inputs] in _compat.py.
+    meshes = {p.device_mesh for p in model.parameters() if isinstance(p, DTensor)}
+    attach_pass(model, make_pass(model, passes, settings.mesh), cache_key_meshes=meshes)
     setattr(model, _ROOT_ATTR, True)
 
 

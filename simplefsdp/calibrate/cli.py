@@ -26,7 +26,8 @@ import torch
 from simplefsdp.calibrate.fit import profile_from
 from simplefsdp.calibrate.timings import Measurements, measure
 from simplefsdp.passes.cost import DeviceProfile, save_profile
-from simplefsdp.ranks import RankFailedError, run_on_ranks
+from simplefsdp.ranks import RankFailedError, gets_the_result, run_on_ranks, setup_rank_logging
+from simplefsdp.writable import check_file
 
 __all__ = ["calibrate", "main"]
 
@@ -45,14 +46,23 @@ def calibrate(
     quick: bool = False,
     name: str = "",
     capacity_bytes: float | None = None,
-) -> DeviceProfile:
-    """Measure on `nproc` spawned ranks (or torchrun's), fit, and write the profile to `out` (rank 0).
-    `capacity_bytes`: the memory one rank may use, instead of what the host reports."""
+) -> DeviceProfile | None:
+    """Measure, fit, and write the profile to `out` (rank 0); returns it (None on the other ranks when
+    this process is one of them). `capacity_bytes`: the memory one rank may use, instead of what the
+    host reports.
+
+    The ranks (`simplefsdp.ranks.run_on_ranks`): those of the default process group when this process
+    is in one (collective: every rank calls it; the group stays as it is), else torchrun's (a group
+    joined for the call and left after), else `nproc` spawned ones. This process's logging and
+    warning filters are left as they are; `simplefsdp calibrate` (`main`) quiets the other ranks.
+    A `ValueError` naming `out` comes before any measurement when the file cannot be written there."""
+    if gets_the_result():
+        check_file(out, name="out")
     device_type = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
     measured = run_on_ranks(
         functools.partial(_measure_rank, quick), nproc=nproc, device_type=device_type, timeout=_TIMEOUT
     )
-    if measured is None:  # a torchrun rank other than 0
+    if measured is None:  # a rank other than 0 of this process's group or torchrun job
         return None
     name = name or f"{device_type}-{measured.world_size}x-{socket.gethostname()}"
     profile = profile_from(measured, name=name)
@@ -130,7 +140,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.memory_gib is not None and not args.memory_gib > 0:
         parser.error(f"--memory-gib must be > 0, got {args.memory_gib}")
     capacity = None if args.memory_gib is None else args.memory_gib * 2**30
+    setup_rank_logging()  # a torchrun rank: errors only on ranks > 0, as spawned ranks
     try:
+        if gets_the_result():
+            check_file(args.out, name="--out")
         profile = calibrate(
             out=args.out,
             nproc=args.nproc,

@@ -3,12 +3,14 @@ behind `simplefsdp calibrate`'s staging factors and the benchmarks' peak memory 
 
 `tensor_high_water_bytes`: torch's allocator, tensor bytes. On CUDA `torch.cuda.max_memory_allocated`
 above `memory_allocated`; on the CPU the allocator's running total of tensor bytes, kept over every
-thread (the first call turns that accounting on for the rest of the process), read at each
-allocation and free `torch.profiler` records on the calling thread: its maximum above the start.
-That counts inductor's buffers, the CPU autograd engine's (it runs backward on the calling thread)
-and gloo's staging tensors (allocated when the collective is issued, freed on gloo's worker thread
-for a reduction). A tensor another thread allocates and frees between two events of the calling
-thread is not seen.
+thread during the call (`count_cpu_allocations_on_every_thread`), read at each allocation and free
+`torch.profiler` records on the calling thread: its maximum above the start. That counts inductor's
+buffers, the CPU autograd engine's (it runs backward on the calling thread) and gloo's staging
+tensors (allocated when the collective is issued, freed on gloo's worker thread for a reduction).
+A tensor another thread allocates and frees between two events of the calling thread is not seen.
+A tensor allocated before the accounting was on and freed in the call is not subtracted: a series
+of measurements (a step settled, then measured) runs inside one `count_cpu_allocations_on_every_thread()`
+block, so what lives from one call into the next is counted.
 
 `high_water_bytes`: on CUDA the same; on the CPU the kernel's resident high-water mark (VmHWM, reset
 through /proc/self/clear_refs just before the call) above the resident size before it --
@@ -35,7 +37,7 @@ import torch
 
 from simplefsdp._compat import allocator_events, count_cpu_allocations_on_every_thread
 
-__all__ = ["high_water_bytes", "tensor_high_water_bytes"]
+__all__ = ["count_cpu_allocations_on_every_thread", "high_water_bytes", "tensor_high_water_bytes"]
 
 _RSS = re.compile(r"VmRSS:\s+(\d+) kB")
 _HWM = re.compile(r"VmHWM:\s+(\d+) kB")
@@ -54,14 +56,16 @@ def _cuda_high_water_bytes(fn: Callable[[], object], device: torch.device) -> in
 def tensor_high_water_bytes(fn: Callable[[], object], device: torch.device) -> int:
     """Tensor bytes `fn()` allocates above what was held before it, at its peak (module docstring).
 
-    On the CPU a tensor allocated before the first call and freed during one is not subtracted (the
-    allocator did not record its size), so the peak can only come out high, never low, by such
-    tensors."""
+    On the CPU a tensor allocated while the accounting was off and freed during the call is not
+    subtracted (the allocator did not record its size), so the peak can only come out high, never
+    low, by such tensors (module docstring)."""
     gc.collect()
     if device.type == "cuda":
         return _cuda_high_water_bytes(fn, device)
-    count_cpu_allocations_on_every_thread()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+    with (
+        count_cpu_allocations_on_every_thread(),
+        torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof,
+    ):
         fn()
     events = allocator_events(prof)
     if not events:

@@ -95,7 +95,7 @@ from simplefsdp.inspect.dryrun import (
 from simplefsdp.inspect.memory import Persistent, check_optimizer, persistent_bytes
 from simplefsdp.inspect.record import StepGraphs
 from simplefsdp.inspect.report import Report, analyse, resolve_profile
-from simplefsdp.inspect.shapes import ModelShape, model_shape
+from simplefsdp.inspect.shapes import ModelShape, check_batch_and_seq, model_shape
 from simplefsdp.inspect.verdict import MemoryVerdict, memory_verdict
 from simplefsdp.inspect.workers import Workers
 from simplefsdp.passes import cost
@@ -229,6 +229,7 @@ def advise(
     in `workers.py`); `on_progress(message)` is called as each task finishes."""
     if not isinstance(jobs, int) or jobs < 1:
         raise ValueError(f"jobs must be a positive integer, got {jobs!r}")
+    check_batch_and_seq(batch=batch, seq=seq)
     profile = resolve_profile(device)
     check_optimizer(optimizer)
     capacity = capacity_bytes if capacity_bytes is not None else profile.capacity_bytes

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -31,10 +32,29 @@ from simplefsdp.inspect.verdict import MemoryVerdict, memory_verdict
 from simplefsdp.passes import cost
 from simplefsdp.passes.fsdp_pass import parse_memory_budget
 from simplefsdp.strategy import ShardingStrategy
+from simplefsdp.writable import check_directory
 
 __all__ = ["add_arguments", "main", "run"]
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that raises a ValueError instead of exiting, so a bad flag is one line like any other."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise ValueError(message)
+
+
+def _positive(text: str) -> int:
+    """An argparse type: a positive integer."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+    return value
 
 
 def _mib(nbytes: float) -> str:
@@ -43,7 +63,7 @@ def _mib(nbytes: float) -> str:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", help=f"a shape ({', '.join(SHAPES)}) or 'module:function' -> (model, example input)")
-    parser.add_argument("--world", type=int, default=8, help="ranks in all, data x tensor parallel (fake group)")
+    parser.add_argument("--world", type=_positive, default=8, help="ranks in all, data x tensor parallel (fake group)")
     parser.add_argument(
         "--tp",
         type=_degrees,
@@ -58,7 +78,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--jobs",
-        type=int,
+        type=_positive,
         default=os.cpu_count() or 1,
         help="--advise: traces run at once, in worker processes (default: one per CPU core)",
     )
@@ -96,9 +116,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="auto plan: bytes the pass may add to a graph's peak, 0.25 (a fraction) or 512MiB",
     )
     parser.add_argument(
-        "--micro-batch", "--batch", dest="batch", type=int, default=None, help="sequences per data-parallel rank"
+        "--micro-batch", "--batch", dest="batch", type=_positive, default=None, help="sequences per data-parallel rank"
     )
-    parser.add_argument("--seq", type=int, default=None, help="sequence length (shapes only)")
+    parser.add_argument("--seq", type=_positive, default=None, help="sequence length (shapes only)")
     parser.add_argument("--optimizer", choices=["adamw", "sgd", "none"], default="adamw")
     parser.add_argument("--max-traced-blocks", type=int, default=8, help="deeper shapes: trace 4 and 5, extrapolate")
     parser.add_argument(
@@ -107,7 +127,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--margin", type=float, default=0.1, help="safety margin of the fits verdict (default 0.1)")
     parser.add_argument("--code", action="store_true", help="build on the CPU, compile with inductor, keep its code")
     parser.add_argument("--out", default=None, help="directory for graphs, code, JSON tables and timeline.png/html")
-    parser.add_argument("--rows", type=int, default=20, help="rows shown per table (all are in --out's JSON)")
+    parser.add_argument("--rows", type=_positive, default=20, help="rows shown per table (all are in --out's JSON)")
 
 
 def _degrees(text: str) -> tuple[int, ...]:
@@ -123,9 +143,12 @@ def _degrees(text: str) -> tuple[int, ...]:
 def _factory(spec: str) -> Callable[[], tuple[torch.nn.Module, Any]]:
     module_name, _, attr = spec.partition(":")
     try:
-        return getattr(importlib.import_module(module_name), attr)
+        factory = getattr(importlib.import_module(module_name), attr)
     except (ImportError, AttributeError) as error:
         raise ValueError(f"cannot load model factory {spec!r}: {error}") from error
+    if not callable(factory):
+        raise ValueError(f"model factory {spec!r} is a {type(factory).__name__}, not a function")
+    return factory
 
 
 def _model(args: argparse.Namespace) -> str | ModelShape | Callable[[], tuple[torch.nn.Module, Any]]:
@@ -284,22 +307,30 @@ def _advise(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
+def _check(args: argparse.Namespace) -> None:
+    """What the flags' types do not check, before any work."""
+    if args.device_memory_gib is not None and not args.device_memory_gib > 0:
+        raise ValueError(f"--device-memory-gib must be > 0, got {args.device_memory_gib}")
+    if not 0.0 <= args.margin < 1.0:
+        raise ValueError(f"--margin must be in [0, 1), got {args.margin}")
+    if args.out is not None:
+        check_directory(args.out, name="--out")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="simplefsdp inspect", description=__doc__.split("\n")[0])
+    """Exit codes: 0 done; 2 a bad flag or model, or a dry run that failed (one line on stderr)."""
+    parser = _Parser(prog="simplefsdp inspect", description=__doc__.split("\n")[0])
     add_arguments(parser)
-    args = parser.parse_args(argv)
     console = Console()
     try:
-        if args.device_memory_gib is not None and not args.device_memory_gib > 0:
-            raise ValueError(f"--device-memory-gib must be > 0, got {args.device_memory_gib}")
-        if not 0.0 <= args.margin < 1.0:
-            raise ValueError(f"--margin must be in [0, 1), got {args.margin}")
+        args = parser.parse_args(argv)
+        _check(args)
         if args.advise:
             return _advise(args, console)
         result = run(args)
         verdict = verdict_of(result, args)
     except (ValueError, RuntimeError) as error:
-        console.print(f"[red]error:[/red] {error}")
+        print(f"simplefsdp inspect: error: {error}", file=sys.stderr)
         return 2
     for table in _tables(result, args.rows):
         console.print(table)

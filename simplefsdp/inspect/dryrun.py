@@ -54,7 +54,7 @@ import simplefsdp
 from simplefsdp._compat import init_fake_process_group
 from simplefsdp.inspect.memory import GraphPeak, MemoryEstimate, Persistent, check_optimizer, persistent_bytes
 from simplefsdp.inspect.report import Report, inspect_model, resolve_profile
-from simplefsdp.inspect.shapes import ModelShape, model_shape
+from simplefsdp.inspect.shapes import ModelShape, check_batch_and_seq, model_shape
 from simplefsdp.passes import cost
 from simplefsdp.strategy import ShardingStrategy
 
@@ -207,6 +207,17 @@ def depths(shape: ModelShape | Callable[[], tuple[nn.Module, Any]], *, max_trace
     return tuple(range(_TRACED, _TRACED + count))
 
 
+def built_by(factory: Callable[[], tuple[nn.Module, Any]]) -> tuple[nn.Module, Any]:
+    """`factory()`, checked to be `(module, example input)`: a ValueError naming the factory otherwise."""
+    built = factory()
+    if not (isinstance(built, tuple) and len(built) == 2 and isinstance(built[0], nn.Module)):
+        name = getattr(factory, "__qualname__", repr(factory))
+        raise ValueError(
+            f"model factory {name} must return (nn.Module, example input), got {type(built).__name__} {built!r:.80}"
+        )
+    return built
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class TraceSettings:
     """How one configuration is traced: on which meshes, wrapped how, costed on which profile."""
@@ -233,7 +244,7 @@ def trace_depth(
     if isinstance(shape, ModelShape):
         module, example = shape.build(n_layers=n_layers), shape.example_input(batch=settings.batch, seq=settings.seq)
     else:
-        module, example = shape()
+        module, example = built_by(shape)
     _prepare(module, ac=settings.ac, tp_mesh=settings.tp_mesh)
     simplefsdp.wrap(
         module, settings.mesh, strategy=settings.strategy, mp_policy=settings.mp_policy, passes=settings.passes
@@ -402,6 +413,7 @@ def dry_run(
     process group (it makes its own)."""
     profile = resolve_profile(device)  # fail fast on bad input, before tracing anything
     check_optimizer(optimizer)
+    check_batch_and_seq(batch=batch, seq=seq)
     if ac not in AC_POLICIES:
         raise ValueError(f"unknown activation checkpointing {ac!r}; known: {', '.join(AC_POLICIES)}")
     if tp != 1 and not isinstance(model, (str, ModelShape)):

@@ -21,7 +21,7 @@ from torch import nn
 from simplefsdp.models import Transformer, TransformerArgs
 from simplefsdp.models.llama import apply_rope
 
-__all__ = ["SHAPES", "GroupedQueryAttention", "ModelShape", "model_shape"]
+__all__ = ["SHAPES", "GroupedQueryAttention", "ModelShape", "check_batch_and_seq", "model_shape"]
 
 
 class GroupedQueryAttention(nn.Module):
@@ -76,11 +76,20 @@ class ModelShape:
     def example_input(
         self, *, batch: int | None = None, seq: int | None = None, device: str | torch.device = "meta"
     ) -> torch.Tensor:
-        """Token ids `[B, S]`; zeros, which every model accepts (values do not matter for the graphs)."""
+        """Token ids `[B, S]`; zeros, which every model accepts (values do not matter for the graphs).
+        `batch` / `seq`: positive integers, or None for the shape's own."""
+        check_batch_and_seq(batch=batch, seq=seq)
         seq = seq or self.seq
         if seq > self.args.max_seq_len:
             raise ValueError(f"{self.name}: sequence length {seq} exceeds its max_seq_len {self.args.max_seq_len}")
         return torch.zeros(batch or self.batch, seq, dtype=torch.long, device=device)
+
+
+def check_batch_and_seq(*, batch: int | None, seq: int | None) -> None:
+    """ValueError naming `batch` or `seq` unless each is None (a shape's own) or a positive integer."""
+    for name, value in (("batch", batch), ("seq", seq)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
 
 def _llama3(name: str, *, dim: int, layers: int, heads: int, ffn: int, tied: bool = False) -> ModelShape:

@@ -15,9 +15,9 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from simplefsdp.ranks import RankFailedError
+from simplefsdp.ranks import RankFailedError, setup_rank_logging
 from simplefsdp.train.config import ConfigError, parse_args
-from simplefsdp.train.launch import launch
+from simplefsdp.train.launch import LOGGERS, launch
 
 __all__ = ["main"]
 
@@ -32,6 +32,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
         config = parse_args(args)
+        setup_rank_logging(loggers=LOGGERS, verbose=config.verbose)  # a torchrun rank: as spawned ones
         outcome = launch(config)
     except ConfigError as err:
         print(f"simplefsdp train: error: {err}", file=sys.stderr)

@@ -28,6 +28,16 @@ characters.
 
 A tied parameter (an output head sharing the embedding) is saved once by `save_pretrained`, under
 one of its names: the other names missing from a checkpoint are not a misfit.
+
+[Note: checkpoint keys of non-persistent buffers]
+A buffer registered with `persistent=False` is not in the model's state dict, but a checkpoint saved
+by another version of the model may hold it: Llama's rotary table `inv_freq` was once saved with
+every attention module (`model.layers.N.self_attn.rotary_emb.inv_freq`), and is now one
+non-persistent buffer of the model (`model.rotary_emb.inv_freq`). `from_pretrained` ignores such keys
+(transformers 5.24: a key of a non-persistent buffer, or one ending as the model's rotary table or
+position ids do), and so does `check_weights`: a key naming a non-persistent buffer of the model, or
+ending in the same module and buffer name as one (`rotary_emb.inv_freq`), is skipped, not loaded
+(the buffer is computed as usual). Any other key the model lacks is still refused.
 """
 
 from __future__ import annotations
@@ -164,7 +174,8 @@ def check_weights(model: nn.Module, path: str) -> None:
     present = set(shapes)
     tied_ok = {n for names in aliases.values() if present & set(names) for n in names}
     missing = [key for key in state if key not in present and key not in tied_ok]
-    unexpected = [key for key in shapes if key not in state]
+    buffers = _non_persistent_buffers(model, state)
+    unexpected = [key for key in shapes if key not in state and not _names_a_buffer(key, buffers)]
     mismatched = [
         f"{key} {shapes[key]} vs {tuple(v.shape)}"
         for key, v in state.items()
@@ -173,6 +184,17 @@ def check_weights(model: nn.Module, path: str) -> None:
     for what, names in (("missing", missing), ("unexpected", unexpected), ("of another shape", mismatched)):
         if names:
             raise ConfigError(f"--init-from {path}: {len(names)} tensors {what} for the model: {_one_line(names)}")
+
+
+def _non_persistent_buffers(model: nn.Module, state: dict[str, torch.Tensor]) -> set[str]:
+    """The names of `model`'s buffers that its state dict leaves out."""
+    return {name for name, _ in model.named_buffers(remove_duplicate=False) if name not in state}
+
+
+def _names_a_buffer(key: str, buffers: set[str]) -> bool:
+    """Whether checkpoint `key` is one of the non-persistent `buffers` by name, or by its module's and
+    its own name ([Note: checkpoint keys of non-persistent buffers])."""
+    return key in buffers or any(key.split(".")[-2:] == name.split(".")[-2:] for name in buffers)
 
 
 @contextlib.contextmanager

@@ -10,11 +10,14 @@ import functools
 import torch
 import torch.distributed as dist
 
-from simplefsdp.ranks import run_on_ranks, spawn_world, under_torchrun
+from simplefsdp.ranks import gets_the_result, run_on_ranks, spawn_world, under_torchrun
 from simplefsdp.train.config import ConfigError, TrainConfig, check_world
 from simplefsdp.train.loop import TrainOutcome, check_fresh_start, check_model, train
+from simplefsdp.writable import check_directory, check_file
 
-__all__ = ["launch"]
+__all__ = ["LOGGERS", "check_outputs", "launch"]
+
+LOGGERS = ("simplefsdp.train",)  # at INFO on rank 0
 
 
 def _train_rank(config: TrainConfig, device: torch.device) -> TrainOutcome:
@@ -22,11 +25,28 @@ def _train_rank(config: TrainConfig, device: torch.device) -> TrainOutcome:
     return train(config, device=device)
 
 
+def check_outputs(config: TrainConfig) -> None:
+    """ConfigError unless the run can write where it was told to: the checkpoint directory (every
+    rank writes its shards), and on the rank that writes them the export directory (at the end) and
+    the metrics file. Made before any work, so a bad path does not cost the training."""
+    outputs = [(check_directory, config.checkpoint_dir, "checkpoint_dir")]
+    if gets_the_result():
+        outputs.append((check_directory, config.export_dir, "export_dir"))
+        outputs.append((check_file, config.metrics_file, "metrics_file"))
+    try:
+        for check, path, name in outputs:
+            if path:
+                check(path, name=name)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+
+
 def launch(config: TrainConfig) -> TrainOutcome | None:
     """Train on the torchrun ranks or on spawned ones; rank 0's outcome (None on the other torchrun ranks)."""
     device_type = config.device_type()
     if device_type == "cuda" and not torch.cuda.is_available():
         raise ConfigError("device cuda: no CUDA device is available")
+    check_outputs(config)
     if not under_torchrun():  # fail before spawning; the ranks check again (under torchrun too)
         check_world(config, spawn_world(config.nproc, device_type))
         check_fresh_start(config)
@@ -36,6 +56,6 @@ def launch(config: TrainConfig) -> TrainOutcome | None:
         nproc=config.nproc,
         device_type=device_type,
         passthrough=(ConfigError,),
-        loggers=("simplefsdp.train",),
+        loggers=LOGGERS,
         verbose=config.verbose,
     )

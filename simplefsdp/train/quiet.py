@@ -5,21 +5,22 @@ known to be benign for the command's own model.
 Each entry names the logger a warning comes from and a phrase of its message; a record is dropped
 only when both match, so any other warning of the same logger still shows. Entries:
 - `torch._higher_order_ops.wrap`, "context_fn is passed to torch.utils.checkpoint under
-  torch.compile": torch asks the user to make sure a selectively checkpointed region has no
-  in-place ops. The built-in `Transformer`'s blocks have none (checked on torch 2.13), so for the
-  train command this is noise, printed by every rank through the progress bar. For a user's own
-  model, `simplefsdp.checkpoint_blocks` leaves it on: there it is a real question.
+  torch.compile" (`_compat.CHECKPOINT_CONTEXT_FN_WARNING`): torch asks the user to make sure a
+  selectively checkpointed region has no in-place ops. The built-in `Transformer`'s blocks have
+  none (checked on torch 2.13), so for the train command this is noise, printed by every rank
+  through the progress bar. For a user's own model, `simplefsdp.checkpoint_blocks` leaves it on:
+  there it is a real question.
 """
 
 from __future__ import annotations
 
 import logging
 
+from simplefsdp._compat import CHECKPOINT_CONTEXT_FN_WARNING
+
 __all__ = ["BENIGN", "drop_benign_torch_warnings"]
 
-BENIGN: tuple[tuple[str, str], ...] = (
-    ("torch._higher_order_ops.wrap", "context_fn is passed to torch.utils.checkpoint under torch.compile"),
-)
+BENIGN: tuple[tuple[str, str], ...] = (CHECKPOINT_CONTEXT_FN_WARNING,)
 
 
 class _DropPhrase(logging.Filter):

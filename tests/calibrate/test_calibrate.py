@@ -4,12 +4,18 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import math
+import os
+import warnings
+from unittest import mock
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from simplefsdp.calibrate import calibrate, timings
+from simplefsdp.calibrate import cli as calibrate_cli
 from simplefsdp.calibrate.fit import (
     compute_scale,
     fit_alpha_beta,
@@ -22,6 +28,7 @@ from simplefsdp.calibrate.fit import (
 )
 from simplefsdp.passes import cost
 from tests._dist import RankPool
+from tests._tiers import fast_first
 
 
 def test_fit_recovers_latency_and_bandwidth():
@@ -109,6 +116,91 @@ def test_quick_calibration_on_two_ranks_round_trips(tmp_path):
     assert roofline_s > 0
     assert compute_s > 0
     assert profile.compute_scale == compute_s / roofline_s
+
+
+GROWING = [(4096, 1e-4), (65536, 2e-4), (1 << 20, 1e-3)]
+
+
+def _measurements(world_size: int = 2) -> timings.Measurements:
+    """Made-up measurements a profile can be fitted from (every kind's times grow with the size)."""
+    return timings.Measurements(
+        world_size=world_size,
+        backend="gloo",
+        device="cpu",
+        matmul_n=64,
+        matmul_dtype="float32",
+        matmul_s=1e-4,
+        copy_bytes=1 << 20,
+        copy_s=1e-4,
+        collectives={kind: GROWING for kind in ("all_gather", "reduce_scatter", "all_reduce")},
+        overlap_compute_s=1e-3,
+        overlap_comm_s=1e-3,
+        overlap_both_s=1.5e-3,
+        optimizers={"adamw": [(4, 16, 1e-4), (1, 1024, 2e-4)]},
+    )
+
+
+def _measured_on_the_group(*, device: torch.device, quick: bool) -> timings.Measurements:
+    """Stands in for `timings.measure` (the tests below are about where calibrate runs, not what it
+    measures): one all-reduce over the default group, then made-up measurements of its size."""
+    ones = torch.ones(1, device=device)
+    dist.all_reduce(ones)
+    return _measurements(world_size=int(ones.item()))
+
+
+def _process_state() -> tuple:
+    root = logging.getLogger()
+    torch_levels = tuple(logging.getLogger(name).level for name in ("torch", "torch._dynamo", "torch._inductor"))
+    return (root.level, tuple(root.handlers), torch_levels, tuple(warnings.filters), dist.group.WORLD)
+
+
+def _calibrate_in_a_script(out: str, torchrun: bool) -> tuple[str | None, bool]:
+    """A user's script (a rank of the pool, whose default group it has set up, maybe under torchrun)
+    with its own logging and warning filters calls `calibrate()`: (rank 0's profile name, whether
+    the group, logging and warning filters are as before)."""
+    env = {"RANK": str(dist.get_rank()), "WORLD_SIZE": str(dist.get_world_size()), "LOCAL_RANK": "0"}
+    handler, root = logging.NullHandler(), logging.getLogger()
+    saved_level = root.level
+    root.addHandler(handler)
+    root.setLevel(logging.INFO)
+    try:
+        with (
+            warnings.catch_warnings(),
+            mock.patch.dict(os.environ, env if torchrun else {}),
+            mock.patch.object(calibrate_cli, "measure", _measured_on_the_group),
+        ):
+            warnings.simplefilter("always", UserWarning)
+            before = _process_state()
+            profile = calibrate(out=out, quick=True, device_type="cpu", name="a script's")
+            return (None if profile is None else profile.name), _process_state() == before
+    finally:
+        root.removeHandler(handler)
+        root.setLevel(saved_level)
+
+
+@pytest.mark.parametrize("torchrun", fast_first([True, False]))
+def test_calibrate_in_a_script_with_a_group_runs_on_it_and_leaves_the_process_as_it_was(ranks2, tmp_path, torchrun):
+    """The library function measures on the script's own group (both ranks, collectively) and
+    changes neither that group nor the script's logging or warning filters."""
+    results = ranks2.run(_calibrate_in_a_script, str(tmp_path / "profile.json"), torchrun)
+    assert results == [("a script's", True), (None, True)]
+    assert cost.profile(str(tmp_path / "profile.json")).name == "a script's", "rank 0 wrote the file"
+
+
+def _refuse_to_measure(**kwargs) -> None:
+    raise AssertionError("measured before checking where the profile goes")
+
+
+def test_an_unwritable_out_is_refused_before_measuring(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(calibrate_cli, "measure", _refuse_to_measure)
+    missing = tmp_path / "nonexistent" / "x.json"
+    with pytest.raises(ValueError, match=rf"^out {missing}: directory {missing.parent} does not exist$"):
+        calibrate(out=missing, quick=True, device_type="cpu")
+    assert calibrate_cli.main(["--out", str(missing), "--quick"]) == 2
+    err = capsys.readouterr().err
+    assert err == f"simplefsdp calibrate: error: --out {missing}: directory {missing.parent} does not exist\n"
+    assert calibrate_cli.main(["--out", str(tmp_path), "--quick"]) == 2
+    assert capsys.readouterr().err.endswith(f"--out {tmp_path}: is a directory, not a file\n")
 
 
 def test_compute_scale_is_measured_over_roofline_seconds_and_one_when_not_probed():
@@ -261,23 +353,9 @@ def test_times_that_do_not_grow_are_taken_again_by_every_rank_alike():
 
 
 def test_a_profile_is_refused_when_a_kinds_times_do_not_grow():
-    growing = [(4096, 1e-4), (65536, 2e-4), (1 << 20, 1e-3)]
-    measured = timings.Measurements(
-        world_size=2,
-        backend="gloo",
-        device="cpu",
-        matmul_n=64,
-        matmul_dtype="float32",
-        matmul_s=1e-4,
-        copy_bytes=1 << 20,
-        copy_s=1e-4,
-        collectives={"all_gather": growing, "reduce_scatter": [(4096, 3e-3), (1 << 20, 1e-3)], "all_reduce": growing},
-        overlap_compute_s=1e-3,
-        overlap_comm_s=1e-3,
-        overlap_both_s=1.5e-3,
-        optimizers={"adamw": [(4, 16, 1e-4), (1, 1024, 2e-4)]},
-    )
-    fine = dataclasses.replace(measured, collectives={**measured.collectives, "reduce_scatter": growing})
+    fine = _measurements()
+    flat = [(4096, 3e-3), (1 << 20, 1e-3)]
+    measured = dataclasses.replace(fine, collectives={**fine.collectives, "reduce_scatter": flat})
     assert profile_from(fine, name="roofline").compute_scale == 1.0, "no compute probe: the roofline"
     assert profile_from(fine, name="roofline").backend == "gloo"
     assert profile_from(dataclasses.replace(fine, backend="nccl"), name="gpu").backend == "nccl"

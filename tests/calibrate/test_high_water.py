@@ -6,7 +6,12 @@ import threading
 
 import torch
 
-from simplefsdp.calibrate.high_water import high_water_bytes, tensor_high_water_bytes
+from simplefsdp._compat import counting_cpu_allocations_on_every_thread
+from simplefsdp.calibrate.high_water import (
+    count_cpu_allocations_on_every_thread,
+    high_water_bytes,
+    tensor_high_water_bytes,
+)
 
 CPU = torch.device("cpu")
 MiB = 1 << 20
@@ -27,16 +32,27 @@ def test_tensor_peak_is_the_most_bytes_live_at_once():
 
 
 def test_tensor_peak_is_measured_from_what_was_held_at_the_start():
-    tensor_high_water_bytes(lambda: None, CPU)  # the allocator counts from here on
-    held = [_bytes(4 * MiB)]
+    with count_cpu_allocations_on_every_thread():  # the allocator counts what lives between the calls
+        held = [_bytes(4 * MiB)]
 
-    def call(then: int) -> None:
-        held.clear()  # 4 MiB held before the call, freed in it
-        _bytes(then * MiB)
+        def call(then: int) -> None:
+            held.clear()  # 4 MiB held before the call, freed in it
+            _bytes(then * MiB)
 
-    assert tensor_high_water_bytes(lambda: call(3), CPU) == 0  # never above the start
-    held.append(_bytes(4 * MiB))
-    assert tensor_high_water_bytes(lambda: call(6), CPU) == 2 * MiB
+        assert tensor_high_water_bytes(lambda: call(3), CPU) == 0  # never above the start
+        held.append(_bytes(4 * MiB))
+        assert tensor_high_water_bytes(lambda: call(6), CPU) == 2 * MiB
+
+
+def test_the_allocator_accounting_is_on_for_the_call_only():
+    """The libc10 flag `tensor_high_water_bytes` turns on is as it was after the call, and after a block."""
+    assert not counting_cpu_allocations_on_every_thread()
+    tensor_high_water_bytes(lambda: _bytes(MiB), CPU)
+    assert not counting_cpu_allocations_on_every_thread()
+    with count_cpu_allocations_on_every_thread():
+        tensor_high_water_bytes(lambda: _bytes(MiB), CPU)
+        assert counting_cpu_allocations_on_every_thread(), "an enclosing block keeps it on"
+    assert not counting_cpu_allocations_on_every_thread()
 
 
 def test_tensor_peak_sees_the_buffers_of_inductor_code():

@@ -98,6 +98,8 @@ def test_tensor_parallel_dry_run_splits_the_world(small_w8):
         ({"tp": 3}, r"tp must be a positive integer dividing the world size 8, got 3"),
         ({"tp": 2, "strategy": "HYBRID_SHARD", "shard_size": 2}, r"with FULL_SHARD / SHARD_GRAD_OP, not HYBRID_SHARD"),
         ({"ac": "some"}, r"unknown activation checkpointing 'some'; known: none, full, selective"),
+        ({"batch": 0}, r"^batch must be a positive integer, got 0$"),
+        ({"seq": -5}, r"^seq must be a positive integer, got -5$"),
     ],
 )
 def test_bad_planner_input_is_named(kwargs, message):
@@ -118,6 +120,27 @@ def test_cli_prints_the_verdict_and_refuses_impossible_memory(capsys):
     assert "does not fit on h100" in out
     assert "activations" in out
     assert cli.main(["tiny", "--world", "8", "--device-memory-gib", "-1"]) == 2
-    assert "--device-memory-gib must be > 0, got -1.0" in capsys.readouterr().out
+    assert "--device-memory-gib must be > 0, got -1.0" in capsys.readouterr().err
     assert cli.main(["tiny", "--world", "6", "--tp", "4"]) == 2
-    assert "tp must be a positive integer dividing the world size 6, got 4" in capsys.readouterr().out
+    assert "tp must be a positive integer dividing the world size 6, got 4" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["os:getcwd"], "model factory getcwd must return (nn.Module, example input), got str '"),
+        (["os:sep"], "model factory 'os:sep' is a str, not a function"),
+        (["tiny", "--micro-batch", "0"], "argument --micro-batch/--batch: must be a positive integer, got '0'"),
+        (["tiny", "--seq", "-5"], "argument --seq: must be a positive integer, got '-5'"),
+        (["tiny", "--world", "x"], "argument --world: must be a positive integer, got 'x'"),
+        (["tiny", "--out", "{file}/inspect"], "--out {file}/inspect: {file} is a file, not a directory"),
+    ],
+)
+def test_cli_bad_model_or_sizes_are_one_line_naming_them(tmp_path, capsys, argv, message):
+    """Found before the dry run (the factory's result right after it is called), one line on stderr."""
+    file = tmp_path / "a-file"
+    file.write_text("")
+    assert cli.main([a.format(file=file) for a in argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"simplefsdp inspect: error: {message.format(file=file)}"), err
+    assert err.count("\n") == 1, err

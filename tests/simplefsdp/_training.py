@@ -9,11 +9,15 @@ reference (`train_policy_reference`) computes in one process what a policy makes
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch._dynamo.utils import counters
+from torch._inductor.runtime.cache_dir_utils import temporary_cache_dir
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 
@@ -37,6 +41,27 @@ class Result:
     collectives_merged: int = 0  # by simplefsdp's pass, over every graph compiled
     collectives_moved: int = 0
     state_dtypes: frozenset[torch.dtype] = frozenset()  # of the optimizer's per-element state (not `step`)
+    compile_cache: dict[str, int] = dataclasses.field(default_factory=dict)  # `CACHE_EVENTS` of the run
+
+
+# torch's counters of the on-disk compile caches: AOTAutograd's (keyed with the DTensor inputs'
+# `_stable_hash_for_caching`) and inductor's FX graph cache
+CACHE_EVENTS = (
+    ("aot_autograd", "autograd_cache_hit"),
+    ("aot_autograd", "autograd_cache_miss"),
+    ("inductor", "fxgraph_cache_hit"),
+    ("inductor", "fxgraph_cache_miss"),
+)
+
+
+@contextlib.contextmanager
+def _counting_cache_events(into: dict[str, int], cache_dir: str | None) -> Iterator[None]:
+    """Fills `into` with how often each of `CACHE_EVENTS` happened in the block; with `cache_dir`, the
+    caches live there for the block."""
+    before = {name: counters[group][name] for group, name in CACHE_EVENTS}
+    with temporary_cache_dir(cache_dir) if cache_dir else contextlib.nullcontext():
+        yield
+    into.update({name: counters[group][name] - before[name] for group, name in CACHE_EVENTS})
 
 
 def batches(steps: int = STEPS) -> list[torch.Tensor]:
@@ -171,11 +196,13 @@ def train_simplefsdp(
     reduce_op: str = "avg",
     passes: simplefsdp.PassConfig | None = simplefsdp.PassConfig(),
     compile_caches: bool = True,
+    cache_dir: str | None = None,
 ) -> Result:
     """simplefsdp on every rank of the default group; `backend` is "eager" or a torch.compile backend.
 
     `passes` goes to `wrap()`: the default buckets per block and reorders; None turns the pass off.
-    `compile_caches=False` compiles from scratch, so the pass really runs (and counts what it did).
+    `compile_caches=False` compiles from scratch, so the pass really runs (and counts what it did);
+    `cache_dir`: the on-disk compile caches' directory for this run (default: the session's).
     """
     parsed = simplefsdp.ShardingStrategy.parse(strategy)
     model = fresh_model()
@@ -183,8 +210,14 @@ def train_simplefsdp(
     simplefsdp.wrap(model, _mesh(parsed), strategy=parsed, mp_policy=policy, reduce_op=reduce_op, passes=passes)
     step_fn = model if backend == "eager" else torch.compile(model, backend=backend)
     caches = {} if compile_caches else {"fx_graph_cache": False}
-    with inductor_config.patch(caches), functorch_config.patch(enable_autograd_cache=compile_caches):
+    events: dict[str, int] = {}
+    with (
+        inductor_config.patch(caches),
+        functorch_config.patch(enable_autograd_cache=compile_caches),
+        _counting_cache_events(events, cache_dir),
+    ):
         result = _train_distributed(model, step_fn, optimizer, reduce_op)
+    result = dataclasses.replace(result, compile_cache=events)
     graph_pass = pass_of(model)
     if graph_pass is None:
         return result

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import logging
 import os
 
 import pytest
@@ -28,20 +27,23 @@ def test_rank_zero_result_and_failures():
         run_on_ranks(functools.partial(_work, KeyError), nproc=2, device_type="cpu", passthrough=(KeyError,))
 
 
-def _dies(when: str, device: torch.device) -> int:
-    """Rank 1 aborts before finishing its work, or after it, while its process group is torn down."""
+def _dies(when: str, how: str, device: torch.device) -> int:
+    """Rank 1 ends (`how`: "abort" is SIGABRT, "exit" an exit code of 1) in its work, or after it,
+    while its process group is torn down: after it had reported its result."""
+    end = os.abort if how == "abort" else functools.partial(os._exit, 1)
     if dist.get_rank() == 1:
         if when == "working":
-            os.abort()
-        dist.destroy_process_group = lambda *args, **kwargs: os.abort()  # this spawned process only
+            end()
+        dist.destroy_process_group = lambda *args, **kwargs: end()  # this spawned process only
     return dist.get_rank() + 10
 
 
 @pytest.mark.slow
-def test_a_rank_that_dies_after_finishing_does_not_lose_the_results(caplog):
-    """[Note: a rank that dies after finishing]."""
-    with caplog.at_level(logging.WARNING, logger="simplefsdp.ranks"):
-        assert run_on_ranks(functools.partial(_dies, "tearing down"), nproc=2, device_type="cpu") == 10
-    assert any("after every rank had finished" in r.getMessage() for r in caplog.records), caplog.text
-    with pytest.raises(RankFailedError, match="SIGABRT"):
-        run_on_ranks(functools.partial(_dies, "working"), nproc=2, device_type="cpu")
+@pytest.mark.parametrize(("how", "shown"), [("abort", "signal SIGABRT"), ("exit", "exit code 1")])
+def test_a_rank_that_crashes_after_reporting_fails_the_run(how, shown):
+    """[Note: a rank that dies after finishing]: a crash is a failure, whether or not the rank had
+    reported its result first; the error says which."""
+    with pytest.raises(RankFailedError, match=rf"process 1 terminated with {shown}, after it had reported its result"):
+        run_on_ranks(functools.partial(_dies, "tearing down", how), nproc=2, device_type="cpu")
+    with pytest.raises(RankFailedError, match=rf"process 1 terminated with {shown}$"):
+        run_on_ranks(functools.partial(_dies, "working", how), nproc=2, device_type="cpu")

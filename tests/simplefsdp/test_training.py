@@ -188,17 +188,20 @@ def test_uneven_and_empty_shards(request, world, backend):
 
 
 @pytest.mark.slow
-def test_warm_compile_cache_is_per_rank(ranks4):
-    """The second run loads every graph from the on-disk compile cache that all 4 ranks share.
+def test_warm_compile_cache_is_per_rank(ranks4, tmp_path):
+    """The second run loads every graph from the on-disk compile cache that all 4 ranks share (a fresh
+    one: the first run compiles every graph), and trains bitwise as the first.
 
     Regression test for [Note: per-rank AOTAutograd cache keys for DTensor inputs]: without
     rank-aware keys, ranks with a 33-row and a 34-row embedding shard (and different group
     names on the 2-D mesh) loaded each other's graphs and failed or hung.
     """
-    first = ranks4.run(training.train_simplefsdp, "HYBRID_SHARD", "inductor")
-    second = ranks4.run(training.train_simplefsdp, "HYBRID_SHARD", "inductor")
-    for a, b in zip(first, second, strict=True):
+    cold = ranks4.run(training.train_simplefsdp, "HYBRID_SHARD", "inductor", cache_dir=str(tmp_path))
+    warm = ranks4.run(training.train_simplefsdp, "HYBRID_SHARD", "inductor", cache_dir=str(tmp_path))
+    for rank, (a, b) in enumerate(zip(cold, warm, strict=True)):
         _assert_results_close(b, a, tol=None)
+        assert a.compile_cache["autograd_cache_hit"] == 0 < a.compile_cache["autograd_cache_miss"], (rank, a)
+        assert b.compile_cache["autograd_cache_miss"] == 0 < b.compile_cache["autograd_cache_hit"], (rank, b)
 
 
 @pytest.mark.parametrize("backend", fast_first(["simplefsdp_aot_eager", "inductor"]))

@@ -13,7 +13,9 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 import simplefsdp
+from simplefsdp._compat import rank_aware_cache_key
 from simplefsdp.models import Transformer, TransformerArgs
+from simplefsdp.passes.install import active
 from tests._tiers import fast_first
 
 ARGS = TransformerArgs(vocab_size=67, dim=32, n_layers=2, n_heads=4, ffn_dim=88, max_seq_len=16)
@@ -205,6 +207,13 @@ def test_bad_policy_and_reduce_op(mesh):
         simplefsdp.wrap(Transformer(ARGS), mesh, reduce_op="mean")
 
 
+@pytest.mark.parametrize("value", ["no", 0, 1.0])
+def test_reshard_after_forward_takes_a_bool_or_none(mesh, value):
+    """A truthy string or number is not taken for True (nor 0 for False)."""
+    with pytest.raises(ValueError, match=rf"reshard_after_forward must be True, False or None .*got {value!r}$"):
+        simplefsdp.wrap(Transformer(ARGS), mesh, reshard_after_forward=value)
+
+
 def test_not_a_module(mesh):
     with pytest.raises(TypeError, match=r"wrap\(\) takes an nn.Module, got list"):
         simplefsdp.wrap([nn.Linear(2, 2)], mesh)
@@ -225,25 +234,77 @@ def test_sharded_parameters_on_unwrapped_model():
         pass
 
 
+# torch's own method, taken before any scope of this process replaced it (none is open at import)
+TORCH_KEY = DTensor._stable_hash_for_caching
+
+
+def _uneven(mesh, rows: int, fill: float = 0.0) -> DTensor:
+    """One rank's view of a 67-row parameter sharded over `mesh`: `rows` rows here."""
+    return DTensor.from_local(torch.full((rows, 4), fill), mesh, [Shard(0)], shape=(67, 4), stride=(4, 1))
+
+
 def test_dtensor_cache_key_sees_the_local_shard(mesh):
     """Two ranks' views of one uneven parameter (9 rows on rank 0, 4 on rank 7 of 67) must not share a
-    compile-cache key; see [Note: per-rank AOTAutograd cache keys for DTensor inputs]."""
-    simplefsdp.wrap(nn.Linear(2, 2), mesh)  # installs the rank-aware key
-    rank0 = DTensor.from_local(torch.zeros(9, 4), mesh, [Shard(0)], shape=(67, 4), stride=(4, 1))
-    rank7 = DTensor.from_local(torch.zeros(4, 4), mesh, [Shard(0)], shape=(67, 4), stride=(4, 1))
-    same_as_rank0 = DTensor.from_local(torch.ones(9, 4), mesh, [Shard(0)], shape=(67, 4), stride=(4, 1))
-    assert rank0._stable_hash_for_caching() != rank7._stable_hash_for_caching()
-    assert rank0._stable_hash_for_caching() == same_as_rank0._stable_hash_for_caching()
+    compile-cache key while a wrapped model compiles; see [Note: per-rank AOTAutograd cache keys for
+    DTensor inputs]."""
+    model = simplefsdp.wrap(nn.Linear(2, 2), mesh)
+    rank0, rank7, same_as_rank0 = _uneven(mesh, 9), _uneven(mesh, 4), _uneven(mesh, 9, fill=1.0)
+    with active(model):
+        assert rank0._stable_hash_for_caching() != rank7._stable_hash_for_caching()
+        assert rank0._stable_hash_for_caching() == same_as_rank0._stable_hash_for_caching()
+    assert rank0._stable_hash_for_caching() == rank7._stable_hash_for_caching(), "torch's own key again"
 
 
 def test_dtensor_cache_key_changes_only_on_wrapped_meshes(mesh):
-    """The workaround is as narrow as torch allows: a DTensor on a mesh no wrapped model uses keeps
-    torch's own key (different local shards, same key, as torch has it)."""
-    simplefsdp.wrap(nn.Linear(2, 2), mesh)
+    """The workaround is as narrow as torch allows: even while a wrapped model compiles, a DTensor on a
+    mesh no wrapped model uses keeps torch's own key (different local shards, same key, as torch has it)."""
+    model = simplefsdp.wrap(nn.Linear(2, 2), mesh)
     other = init_device_mesh("cpu", (4, 2), mesh_dim_names=("a", "b"))  # no wrapped model uses it
     rank0 = DTensor.from_local(torch.zeros(9, 4), other, [Replicate(), Shard(0)], shape=(67, 4), stride=(4, 1))
     rank7 = DTensor.from_local(torch.zeros(4, 4), other, [Replicate(), Shard(0)], shape=(67, 4), stride=(4, 1))
-    assert rank0._stable_hash_for_caching() == rank7._stable_hash_for_caching()
+    with active(model):
+        assert rank0._stable_hash_for_caching() == rank7._stable_hash_for_caching() == TORCH_KEY(rank0)
+
+
+def _keys_while_compiling(fn, *args) -> list[tuple[str, DTensor]]:
+    """(key, fake input) of every DTensor input of the graphs Dynamo compiles for `fn(*args)`, the key
+    as `DTensor._stable_hash_for_caching` gives it to AOTAutograd's cache there (in the backend)."""
+    seen = []
+
+    def backend(gm, example_inputs):
+        seen.extend((t._stable_hash_for_caching(), t) for t in example_inputs if isinstance(t, DTensor))
+        return gm.forward
+
+    torch.compile(fn, backend=backend)(*args)
+    return seen
+
+
+@pytest.mark.parametrize("how", ["model", "passes off", "inside a compiled step, in active()"])
+def test_wrapped_model_compiles_with_per_rank_cache_keys(mesh, how):
+    """simplefsdp's own compiles -- the wrapped model compiled, with passes or without, or called
+    from a compiled function inside `active(model)` -- key its DTensors per rank."""
+    passes = None if how == "passes off" else simplefsdp.PassConfig()
+    model = simplefsdp.wrap(nn.Linear(4, 67), mesh, passes=passes)
+    x = torch.ones(2, 4)
+    if how.startswith("inside"):
+        with active(model):
+            keys = _keys_while_compiling(lambda x: model(x).sum(), x)
+    else:
+        keys = _keys_while_compiling(model, x)
+    assert keys, "the parameters are graph inputs"
+    for key, fake in keys:
+        assert key == rank_aware_cache_key(fake, TORCH_KEY(fake)) != TORCH_KEY(fake)
+
+
+def test_dtensor_programs_outside_simplefsdp_compiles_keep_torchs_cache_key(mesh):
+    """A DTensor program on a mesh that `wrap()` used, compiled in the same process after the wrapped
+    model compiled, gets exactly torch's own key: nothing of the workaround outlives the model's compile."""
+    assert TORCH_KEY.__module__ == "torch.distributed.tensor._api", "torch's own method"
+    model = simplefsdp.wrap(nn.Linear(4, 67), mesh)
+    assert _keys_while_compiling(model, torch.ones(2, 4))
+    assert DTensor._stable_hash_for_caching is TORCH_KEY
+    keys = _keys_while_compiling(lambda t: (t * 2).to_local(), _uneven(mesh, 9))
+    assert [key for key, _ in keys] == [TORCH_KEY(fake) for _, fake in keys] != []
 
 
 def test_swapped_classes_say_what_they_add(mesh):

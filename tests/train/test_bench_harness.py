@@ -1,5 +1,5 @@
-"""bench/_harness.spawn: a rank that dies after every rank finished does not lose the results; one
-that dies before does fail the run ([Note: a rank that dies after finishing] in simplefsdp/ranks.py)."""
+"""bench/_harness.spawn: a rank that dies fails the run, before or after its work ([Note: a rank that
+dies after finishing] in simplefsdp/ranks.py)."""
 
 from __future__ import annotations
 
@@ -21,11 +21,12 @@ def _worker(rank: int, when: str, results: dict) -> None:
     if rank == 1 and when == "working":
         os.abort()
     results[rank] = rank + 10
-    if rank == 1:
+    if rank == 1 and when == "tearing down":
         dist.destroy_process_group = lambda *args, **kwargs: os.abort()  # this spawned process only
 
 
-def test_a_rank_that_dies_in_teardown_keeps_the_results():
-    assert _harness.spawn(_worker, "tearing down") == {0: 10, 1: 11}
-    with pytest.raises(mp.ProcessExitedException, match="SIGABRT"):
-        _harness.spawn(_worker, "working")
+def test_a_rank_that_dies_fails_the_run():
+    assert _harness.spawn(_worker, "finishing") == {0: 10, 1: 11}
+    for when in ("working", "tearing down"):
+        with pytest.raises(mp.ProcessExitedException, match="SIGABRT"):
+            _harness.spawn(_worker, when)

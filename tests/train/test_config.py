@@ -44,6 +44,9 @@ def _write(tmp_path, text: str | None) -> str:
         (["--config", "{missing}"], "cannot read config file {missing}: No such file or directory"),
         (["--config", "{directory}"], "cannot read config file {directory}"),
         (["--config", "{file}"], "is not valid TOML"),
+        (["--export-dir", "{file}/export"], "export_dir {file}/export: {file} is a file, not a directory"),
+        (["--checkpoint-dir", "{file}/ckpt"], "checkpoint_dir {file}/ckpt: {file} is a file, not a directory"),
+        (["--metrics-file", "{missing}/m.jsonl"], "metrics_file {missing}/m.jsonl: directory {missing} does not exist"),
     ],
 )
 def test_bad_input_exits_2_naming_it(tmp_path, capsys, argv, expected):

@@ -92,6 +92,33 @@ def test_bad_models_and_checkpoints_are_one_line_naming_them(tmp_path, llama_dir
     assert "tp (2) is for the built-in model" in _error(capsys, "--model", str(llama_dir), "--tp", "2", *ckpt)
 
 
+def test_init_from_skips_keys_of_non_persistent_buffers_as_from_pretrained_does(tmp_path, llama_dir, capsys):
+    """[Note: checkpoint keys of non-persistent buffers]: an older Llama save holds the rotary table of
+    every attention module; `from_pretrained` loads it without an unexpected key, so does `--init-from`
+    (the check, on the meta-device model). A key the model lacks otherwise is still refused."""
+    model = transformers.LlamaForCausalLM(llama_config())
+    inv_freq = model.model.rotary_emb.inv_freq
+    older = {
+        **model.state_dict(),
+        "model.rotary_emb.inv_freq": inv_freq.clone(),
+        **{f"model.layers.{i}.self_attn.rotary_emb.inv_freq": inv_freq.clone() for i in range(len(model.model.layers))},
+    }
+    (tmp_path / "older").mkdir()
+    model.config.save_pretrained(tmp_path / "older")
+    save_file(older, tmp_path / "older" / "model.safetensors")
+    _, info = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "older", output_loading_info=True)
+    assert not info["unexpected_keys"], "transformers ignores them"
+    capsys.readouterr()  # its progress bar
+    with torch.device("meta"):
+        built = hf_model.build(str(llama_dir))
+    hf_model.check_weights(built, str(tmp_path / "older"))
+    (tmp_path / "bogus").mkdir()
+    bogus = "model.layers.0.self_attn.bogus.inv_freq"  # the buffer's name, in another module
+    save_file({**older, bogus: inv_freq.clone()}, tmp_path / "bogus" / "model.safetensors")
+    argv = ["--model", str(llama_dir), "--init-from", str(tmp_path / "bogus"), "--checkpoint-dir", str(tmp_path / "c")]
+    assert f"1 tensors unexpected for the model: {bogus}" in _error(capsys, *argv)
+
+
 def test_tokens_are_characters_or_the_directory_tokenizer(llama_dir):
     from tokenizers import Tokenizer, models, pre_tokenizers
 
