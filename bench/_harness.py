@@ -1,5 +1,6 @@
 """Pieces the distributed benchmarks share: the model flags, torch's own bucketing options, counting
-collectives, interleaved timing, a step's peak memory and spawning the ranks.
+collectives, interleaved timing, a step's peak memory, spawning the ranks and the header of a
+checked-in record.
 
 Scripts in bench/ import it as `_harness` (they run as `python bench/<script>.py`, which puts
 bench/ first on the path; the spawned ranks inherit it).
@@ -8,9 +9,14 @@ bench/ first on the path; the spawned ranks inherit it).
 from __future__ import annotations
 
 import argparse
+import datetime
 import os
 import re
+import shlex
+import socket
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Mapping
@@ -33,6 +39,7 @@ __all__ = [
     "interleaved_times",
     "model_args",
     "paired_speedup",
+    "record_header",
     "release_freed_memory",
     "spawn",
     "state_bytes",
@@ -151,3 +158,39 @@ def spawn(worker: Callable[[int, Any, dict], None], args: Any, *, world: int = 2
         store = os.path.join(tmp, "store")
         mp.spawn(_rank, args=(world, store, backend, worker, args, results), nprocs=world, join=True)
         return dict(results)
+
+
+def _commit() -> str:
+    """The checkout's commit, and whether files it tracks differed from it when the run started."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, check=True).stdout.strip()
+
+    try:
+        commit = git("rev-parse", "--short", "HEAD")
+        dirty = git("status", "--porcelain", "--untracked-files=no")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown (not a git checkout)"
+    return f"{commit} plus uncommitted changes" if dirty else commit
+
+
+def record_header(title: str, *, host: str, files: str, argv: list[str] | None = None) -> str:
+    """The opening of a result record (`bench/results/*.md`): its title, then the command that made
+    it, the commit measured, the host and the date, so a table is never read apart from its run.
+    Call it when the run starts (the commit is read then, before the run writes its results)."""
+    script = os.path.relpath(os.path.abspath(sys.argv[0]), os.path.dirname(os.path.dirname(__file__)))
+    command = shlex.join(["python", script, *(sys.argv[1:] if argv is None else argv)])
+    return "\n".join(
+        [
+            f"# {title}",
+            "",
+            f"- command: `{command}`",
+            f"- commit: {_commit()}",
+            f"- host: {host} (`{socket.gethostname()}`); torch {torch.__version__}",
+            f"- date: {datetime.date.today().isoformat()}",
+            f"- files: {files}",
+            "",
+            "",
+        ]
+    )

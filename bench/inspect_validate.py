@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import statistics
 import time
 from pathlib import Path
@@ -35,7 +36,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from _harness import release_freed_memory, spawn, state_bytes, transient_peak
+from _harness import record_header, release_freed_memory, spawn, state_bytes, transient_peak
 
 import simplefsdp
 from simplefsdp.calibrate import measure, profile_from
@@ -186,6 +187,13 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--out", default=None, help="directory for inspect_validate.json / .md")
     args = parser.parse_args()
+    header = record_header(
+        "Dry-run validation",
+        host=f"{os.cpu_count()} CPU cores, "
+        + " and ".join(str(w) for w in sorted({c.world for c in CONFIGS}))
+        + " gloo ranks",
+        files="`inspect_validate.json` (every row, and the profile each world size predicted with)",
+    )
     rows, profiles = [], {}
     for world in sorted({c.world for c in CONFIGS}):
         configs = [(i, c) for i, c in enumerate(CONFIGS) if c.world == world]
@@ -203,7 +211,7 @@ def main() -> None:
         (out / "inspect_validate.json").write_text(
             json.dumps({"model": dataclasses.asdict(MODEL), "rows": rows, "profiles": profiles}, indent=1) + "\n"
         )
-        (out / "inspect_validate.md").write_text(table)
+        (out / "inspect_validate.md").write_text(header + table)
 
 
 if __name__ == "__main__":

@@ -93,6 +93,7 @@ from _harness import (
     add_model_arguments,
     interleaved_times,
     model_args,
+    record_header,
     release_freed_memory,
     spawn,
     state_bytes,
@@ -449,6 +450,14 @@ def main(argv: list[str] | None = None) -> int:
     args.backend = "nccl" if cuda else "gloo"
     world = args.world or (torch.cuda.device_count() if cuda else 2)
     setup = report.describe_setup(args, world)
+    header = record_header(
+        "Scoreboard",
+        host=f"{setup['machine']}, {world} {args.backend} ranks",
+        files="`scoreboard.json` (every row, every timed step, per-rank peaks, predictions, targets), "
+        "`scoreboard.png` (step time against peak memory), `profile.json` (the calibration the auto rows "
+        "planned and the predictions were made with)",
+        argv=argv,
+    )
     print(setup["summary"], flush=True)
     os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")  # see simplefsdp/train/launch.py's note
     out = Path(args.out)
@@ -470,7 +479,7 @@ def main(argv: list[str] | None = None) -> int:
     document = {"setup": setup, "rows": rows, "targets": report.targets(rows)}
     (out / "scoreboard.json").write_text(json.dumps(document, indent=2) + "\n")
     table = report.markdown(document)
-    (out / "scoreboard.md").write_text(table)
+    (out / "scoreboard.md").write_text(header + table)
     report.plot(rows, out / "scoreboard.png", title=setup["summary"], frontier_prefix=FRONTIER)
     print(table)
     print(f"wrote {out / 'scoreboard.json'}, {out / 'scoreboard.md'}, {out / 'scoreboard.png'}")
