@@ -1,4 +1,4 @@
-"""A pool of gloo ranks spawned once and reused by every test of a module.
+"""A pool of gloo ranks spawned once and reused by every test of a session (see tests/conftest.py).
 
     pool = RankPool(world_size=2)
     per_rank_results = pool.run(some_module_level_function, arg, key=value)

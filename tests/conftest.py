@@ -1,4 +1,4 @@
-"""Shared fixtures: gloo rank pools (spawned once per test module) and the fake process group."""
+"""Shared fixtures: gloo rank pools (spawned once per test session) and the fake process group."""
 
 from __future__ import annotations
 
@@ -28,14 +28,20 @@ def pytest_unconfigure(config):
     shutil.rmtree(getattr(config, "_simplefsdp_cache_dir", ""), ignore_errors=True)
 
 
-@pytest.fixture(scope="module")
+# [Note: one rank pool per session]
+# Starting a pool spawns its ranks, each importing torch and simplefsdp and joining a gloo group:
+# seconds per pool on a small machine, paid by every module that used one. A pool lives for the whole
+# session instead. What a test runs on it cannot leak into the next: each call starts from a fresh
+# compile state (`torch.compiler.reset()` in the rank), its arguments and results are pickled, and
+# a rank that fails or hangs restarts the pool (`tests/_dist.py`).
+@pytest.fixture(scope="session")
 def ranks2():
     pool = RankPool(world_size=2)
     yield pool
     pool.close()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def ranks4():
     pool = RankPool(world_size=4)
     yield pool

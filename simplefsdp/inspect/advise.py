@@ -85,6 +85,7 @@ from simplefsdp.inspect.dryrun import (
     DryRunResult,
     Traced,
     TraceSettings,
+    check_shard_size,
     depths,
     estimate,
     full_depth_persistent,
@@ -246,6 +247,8 @@ def advise(
     params = sum(p.numel() for p in shape.build().parameters()) if isinstance(shape, ModelShape) else None  # meta
     flops_per_token = None if params is None else _model_flops_per_token(shape, params=params, seq=seq or shape.seq)
     searched = _strategies(shard_size) if strategies is None else tuple(map(ShardingStrategy.parse, strategies))
+    for strategy in searched:  # before any trace
+        check_shard_size(strategy=strategy, world_size=world_size, shard_size=shard_size)
     started = time.perf_counter()
     common = dict(
         shape=shape,

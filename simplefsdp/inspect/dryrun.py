@@ -83,19 +83,26 @@ def fake_world(world_size: int) -> Iterator[None]:
         dist.destroy_process_group()
 
 
-def make_mesh(*, strategy: ShardingStrategy | str, world_size: int, shard_size: int | None = None) -> DeviceMesh:
-    """The data-parallel mesh of `strategy` over `world_size` ranks: 1-D, or `(world / shard_size,
-    shard_size)` for the HYBRID strategies (`shard_size` ranks shard, e.g. the GPUs of a node)."""
+def check_shard_size(*, strategy: ShardingStrategy | str, world_size: int, shard_size: int | None) -> None:
+    """`ValueError` naming `shard_size` unless it suits `strategy` at `world_size`: a divisor of the
+    world for the HYBRID strategies, None (or the world) for the others."""
     strategy = ShardingStrategy.parse(strategy)
     if not strategy.is_hybrid:
         if shard_size not in (None, world_size):
             raise ValueError(f"{strategy.value} shards over the whole world; shard_size={shard_size} is for HYBRID_*")
-        return init_device_mesh("cpu", (world_size,))
-    if shard_size is None or shard_size < 1 or world_size % shard_size:
+    elif shard_size is None or shard_size < 1 or world_size % shard_size:
         raise ValueError(
             f"{strategy.value} needs a 2-D mesh (replicate, shard): shard_size must divide the world size "
             f"{world_size}, got {shard_size!r}"
         )
+
+
+def make_mesh(*, strategy: ShardingStrategy | str, world_size: int, shard_size: int | None = None) -> DeviceMesh:
+    """The data-parallel mesh of `strategy` over `world_size` ranks: 1-D, or `(world / shard_size,
+    shard_size)` for the HYBRID strategies (`shard_size` ranks shard, e.g. the GPUs of a node)."""
+    check_shard_size(strategy=strategy, world_size=world_size, shard_size=shard_size)
+    if not ShardingStrategy.parse(strategy).is_hybrid:
+        return init_device_mesh("cpu", (world_size,))
     return init_device_mesh("cpu", (world_size // shard_size, shard_size), mesh_dim_names=("replicate", "shard"))
 
 

@@ -27,7 +27,6 @@ from simplefsdp.calibrate.fit import (
     profile_from,
 )
 from simplefsdp.passes import cost
-from tests._dist import RankPool
 from tests._tiers import fast_first
 
 
@@ -334,22 +333,18 @@ def _scripted_collective_times(series: list[list[float]]) -> tuple[list[tuple[in
         timings._median_s = saved
 
 
-def test_times_that_do_not_grow_are_taken_again_by_every_rank_alike():
+def test_times_that_do_not_grow_are_taken_again_by_every_rank_alike(ranks2):
     """[Note: timing on a busy machine]: one rank's swamped timings make every rank time again."""
-    pool = RankPool(world_size=2)
-    try:
-        busy_then_quiet = [[5e-3, 4e-3, 1e-3, 1e-4, 2e-4, 3e-4], [1e-4, 2e-4, 3e-4, 1e-4, 2e-4, 3e-4]]
-        results = pool.run(_scripted_collective_times, busy_then_quiet)
-        assert results[0] == results[1], "the ranks agree on the points"
-        points, calls = results[0]
-        assert calls == 6, "the three sizes were timed twice"
-        assert points == [(1, 1e-4), (2, 2e-4), (3, 3e-4)], "the quiet attempt's times, agreed (the larger)"
-        always_busy = [[3e-3, 2e-3, 1e-3] * 3, [1e-4, 2e-4, 3e-4] * 3]
-        points, calls = pool.run(_scripted_collective_times, always_busy)[1]
-        assert calls == 3 * timings._ATTEMPTS, "gives up after the last attempt"
-        assert points == [(1, 3e-3), (2, 2e-3), (3, 1e-3)], "and returns what it measured"
-    finally:
-        pool.close()
+    busy_then_quiet = [[5e-3, 4e-3, 1e-3, 1e-4, 2e-4, 3e-4], [1e-4, 2e-4, 3e-4, 1e-4, 2e-4, 3e-4]]
+    results = ranks2.run(_scripted_collective_times, busy_then_quiet)
+    assert results[0] == results[1], "the ranks agree on the points"
+    points, calls = results[0]
+    assert calls == 6, "the three sizes were timed twice"
+    assert points == [(1, 1e-4), (2, 2e-4), (3, 3e-4)], "the quiet attempt's times, agreed (the larger)"
+    always_busy = [[3e-3, 2e-3, 1e-3] * 3, [1e-4, 2e-4, 3e-4] * 3]
+    points, calls = ranks2.run(_scripted_collective_times, always_busy)[1]
+    assert calls == 3 * timings._ATTEMPTS, "gives up after the last attempt"
+    assert points == [(1, 3e-3), (2, 2e-3), (3, 1e-3)], "and returns what it measured"
 
 
 def test_a_profile_is_refused_when_a_kinds_times_do_not_grow():
@@ -387,24 +382,19 @@ def _scripted_paired(rounds: dict[str, list[tuple[float, ...]]]) -> tuple[tuple[
         timings._paired_s = real
 
 
-def test_overlap_and_wake_take_differences_within_each_round():
+def test_overlap_and_wake_take_differences_within_each_round(ranks2):
     """[Note: paired timings]: a round where the host was slow for everything is not read as overlap
     (or as a wake-up); the difference is taken inside each round, then the median."""
-    pool = RankPool(world_size=2)
-    try:
-        # (compute, comm, both): two quiet rounds where both at once saved 10 ms, one slow round
-        overlap_rounds = [(0.030, 0.030, 0.050), (0.060, 0.060, 0.110), (0.031, 0.029, 0.050)]
-        # (back to back, compute alone, compute + gather): the gathers cost 1 ms more after compute
-        wake_rounds = [(0.002, 0.010, 0.014), (0.004, 0.020, 0.026), (0.002, 0.011, 0.015)]
-        (compute, comm, both), wake, calls = pool.run(
-            _scripted_paired, {"overlap": overlap_rounds, "wake": wake_rounds}
-        )[0]
-        assert calls == [(3, 3), (3, 3)], "three timings interleaved, paired_repeats rounds"
-        assert (compute, comm) == pytest.approx((0.031, 0.030))
-        assert compute + comm - both == pytest.approx(0.010), "the median of each round's saving"
-        assert overlap_share(compute, comm, both) == pytest.approx(0.010 / 0.030)
-        ((idle, extra),) = wake
-        assert idle == pytest.approx(0.011 / 2), "compute per round (2 gathers per timing)"
-        assert extra == pytest.approx(0.002 / 2), "the median of each round's extra, per gather"
-    finally:
-        pool.close()
+    # (compute, comm, both): two quiet rounds where both at once saved 10 ms, one slow round
+    overlap_rounds = [(0.030, 0.030, 0.050), (0.060, 0.060, 0.110), (0.031, 0.029, 0.050)]
+    # (back to back, compute alone, compute + gather): the gathers cost 1 ms more after compute
+    wake_rounds = [(0.002, 0.010, 0.014), (0.004, 0.020, 0.026), (0.002, 0.011, 0.015)]
+    rounds = {"overlap": overlap_rounds, "wake": wake_rounds}
+    (compute, comm, both), wake, calls = ranks2.run(_scripted_paired, rounds)[0]
+    assert calls == [(3, 3), (3, 3)], "three timings interleaved, paired_repeats rounds"
+    assert (compute, comm) == pytest.approx((0.031, 0.030))
+    assert compute + comm - both == pytest.approx(0.010), "the median of each round's saving"
+    assert overlap_share(compute, comm, both) == pytest.approx(0.010 / 0.030)
+    ((idle, extra),) = wake
+    assert idle == pytest.approx(0.011 / 2), "compute per round (2 gathers per timing)"
+    assert extra == pytest.approx(0.002 / 2), "the median of each round's extra, per gather"

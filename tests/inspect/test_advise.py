@@ -1,5 +1,9 @@
 """The advisor: re-costing equals tracing, the ranking's rules, determinism, pruning, the CLI and its
-bad input, and -- on 2 gloo ranks -- that what it says fits stays within its predicted memory."""
+bad input, and -- on 2 gloo ranks -- that what it says fits stays within its predicted memory.
+
+Fast tier: the CLI's search end to end (one trace), the rendered choice and the bad input; the tests
+on the full world-8 search (its fixture traces every strategy x AC twice), the pruning and the
+measured memory run in the full suite."""
 
 from __future__ import annotations
 
@@ -14,7 +18,6 @@ from simplefsdp.inspect.dryrun import dry_run
 from simplefsdp.inspect.shapes import model_shape
 from simplefsdp.strategy import ShardingStrategy
 from simplefsdp.train.config import parse_args
-from tests._tiers import fast_first
 from tests.inspect._advised_ranks import measured_peak
 
 AC = ("none", "full")
@@ -42,6 +45,7 @@ def tiny_w8():
     return advise("tiny", world_size=8, device="h100", ac=AC, capacity_bytes=middle / 0.9)
 
 
+@pytest.mark.slow
 def test_every_configuration_is_costed_once(tiny_w8):
     strategies = (ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP)
     expected = {
@@ -56,6 +60,7 @@ def test_every_configuration_is_costed_once(tiny_w8):
     assert tiny_w8.recosts == len(expected)
 
 
+@pytest.mark.slow
 def test_recosting_equals_tracing_with_the_pass_on(tiny_w8):
     """[Note: trace once, re-cost many]: the default pass (blocks, prefetch 1) and no pass, re-costed
     on the pass-off trace, give exactly what a dry run compiled with them gives."""
@@ -69,6 +74,7 @@ def test_recosting_equals_tracing_with_the_pass_on(tiny_w8):
         assert recosted.peak_bytes == traced.peak_bytes, plan
 
 
+@pytest.mark.slow
 def test_ranking_fits_first_fastest_first_then_smallest_peak(tiny_w8):
     fits = [row for row in tiny_w8.rows if row.fits]
     rest = [row for row in tiny_w8.rows if not row.fits]
@@ -84,6 +90,7 @@ def test_ranking_fits_first_fastest_first_then_smallest_peak(tiny_w8):
     assert tiny_w8.winner.result.tokens_per_s == max(throughput)
 
 
+@pytest.mark.slow
 def test_the_ranking_does_not_depend_on_the_order_rows_are_costed_in(tiny_w8):
     shuffled = list(tiny_w8.rows)
     random.Random(0).shuffle(shuffled)
@@ -99,6 +106,7 @@ def test_same_answer_twice_and_in_worker_processes(tiny_w8):
     assert again.traces == tiny_w8.traces
 
 
+@pytest.mark.slow
 def test_a_bound_above_the_memory_prunes_without_tracing():
     """SHARD_GRAD_OP without checkpointing keeps every gathered weight from forward to backward:
     with less memory than that, its rows are listed as not fitting, with the bound, never traced."""
@@ -236,7 +244,8 @@ def _distinct(rows):
     return picked
 
 
-@pytest.mark.parametrize("index", fast_first(range(16), fast=2))
+@pytest.mark.slow
+@pytest.mark.parametrize("index", range(16))
 def test_what_it_says_fits_stays_within_its_predicted_memory(ranks2, tiny_w2, index):
     """The advisor's configurations (the winner first), run on 2 gloo ranks: this rank's shards and
     optimizer state plus the most tensor bytes alive in a forward + backward (`LiveTensorBytes`,
@@ -253,6 +262,7 @@ def test_what_it_says_fits_stays_within_its_predicted_memory(ranks2, tiny_w2, in
         assert nbytes >= 0.8 * predicted, (row.choice.label(), which, nbytes, predicted)
 
 
+@pytest.mark.slow
 def test_tensor_parallel_rows_rank_by_throughput_not_step_time(tiny_w8):
     """A TP-2 step that is 40% shorter trains half the sequences per step over the same GPUs: it
     loses to the longer data-parallel step (8 / 1.0 vs 4 / 0.6 sequences per step-time unit)."""

@@ -1,5 +1,9 @@
 """Inductor on the CPU (fake world of 8): the schedule view's claims against the order in the
-generated code; the pictures; the CLI."""
+generated code; the pictures; the CLI.
+
+Fast tier: the CLI end to end (its dry run, tables and pictures) and its bad input; the tests on
+inductor's generated code (a compile of their own) run in the full suite, and test_overlap.py
+checks the generated code's order in the fast tier."""
 
 from __future__ import annotations
 
@@ -28,6 +32,7 @@ def compiled():
     return dry_run(_on_cpu, world_size=8, device="cpu-gloo", mp_policy=simplefsdp.MixedPrecisionPolicy(), code=True)
 
 
+@pytest.mark.slow
 def test_claims_agree_with_generated_code(compiled):
     """Per collective, in launch order: the schedule says whether matmuls run between its launch and
     its wait (overlap) or none do; inductor's code must show the same."""
@@ -59,6 +64,7 @@ def _has_color(pixels: np.ndarray, hex_color: str) -> bool:
     return bool((np.abs(pixels[..., :3] - rgb).max(axis=-1) < 0.02).any())
 
 
+@pytest.mark.slow
 def test_pictures_show_both_lanes(compiled, tmp_path):
     schedule = compiled.report.schedule
     png = save_png(schedule, tmp_path / "t.png")
@@ -78,6 +84,7 @@ def test_pictures_show_both_lanes(compiled, tmp_path):
     assert "http" not in page.replace("http://www.w3.org/2000/svg", ""), "self-contained"
 
 
+@pytest.mark.slow
 def test_report_saves_graphs_and_code(compiled, tmp_path):
     written = compiled.report.save(tmp_path)
     assert "all_gather_into_tensor" in written["forward_graph"].read_text()

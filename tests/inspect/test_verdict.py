@@ -4,11 +4,13 @@ activation checkpointing and tensor parallelism in the dry run, and the bad inpu
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import pytest
 
 from simplefsdp.inspect import cli
 from simplefsdp.inspect.dryrun import dry_run
+from simplefsdp.inspect.shapes import SHAPES
 from simplefsdp.inspect.verdict import OPTIMIZER, PARAMETERS, memory_verdict
 from simplefsdp.passes import cost
 from simplefsdp.passes.collectives import find_collectives
@@ -16,11 +18,18 @@ from simplefsdp.passes.liveness import ACTIVATIONS
 from tests._tiers import fast_first
 
 GIB = 2**30
+SHAPE = SHAPES["tiny"]  # the smallest shape with repeated blocks: each dry run here takes seconds
 
 
 @pytest.fixture(scope="module")
 def small_w8():
-    return dry_run("small-8", world_size=8, device="h100")
+    return dry_run(SHAPE, world_size=8, device="h100")
+
+
+@pytest.fixture(scope="module")
+def checkpointed():
+    """`ac` ("full", "selective") -> `small_w8` with its blocks checkpointed so, dry-run once per module."""
+    return functools.cache(lambda ac: dry_run(SHAPE, world_size=8, device="h100", ac=ac))
 
 
 def test_profiles_carry_their_memory_capacity():
@@ -58,8 +67,8 @@ def _compute_s(result) -> float:
     return sum(cost.node_seconds(result.device, node) for graph in graphs for node in graph.nodes)
 
 
-def test_activation_checkpointing_trades_activations_for_recompute(small_w8):
-    full = dry_run("small-8", world_size=8, device="h100", ac="full")
+def test_activation_checkpointing_trades_activations_for_recompute(small_w8, checkpointed):
+    full = checkpointed("full")
     plain, checkpointed = memory_verdict(small_w8), memory_verdict(full)
     assert checkpointed.parts[ACTIVATIONS] < plain.parts[ACTIVATIONS]
     assert full.peak_bytes < small_w8.peak_bytes
@@ -68,18 +77,18 @@ def test_activation_checkpointing_trades_activations_for_recompute(small_w8):
     assert checkpointed.parts[OPTIMIZER] == plain.parts[OPTIMIZER]
 
 
-@pytest.mark.parametrize("ac", fast_first(["selective", "full"]))
-def test_checkpointed_blocks_trace_the_flash_kernel_on_meta(ac):
+@pytest.mark.parametrize("ac", fast_first(["full", "selective"]))  # "full": the dry run the test above made
+def test_checkpointed_blocks_trace_the_flash_kernel_on_meta(checkpointed, ac):
     """On meta, attention is rewritten to the flash kernel also inside checkpointed blocks (whose
     body reaches the backend as a subgraph): a math-path softmax would be [B, H, S, S] per block."""
-    result = dry_run("small-8", world_size=8, device="h100", ac=ac)
+    result = checkpointed(ac)
     targets = [str(node.target) for node in result.report.capture.forward.nodes if node.op == "call_function"]
-    assert sum("_scaled_dot_product_flash_attention" in t for t in targets) == 8, "one per block"
+    assert sum("_scaled_dot_product_flash_attention" in t for t in targets) == SHAPE.args.n_layers, "one per block"
     assert not [t for t in targets if "softmax" in t], "no math-path attention"
 
 
 def test_tensor_parallel_dry_run_splits_the_world(small_w8):
-    tp = dry_run("small-8", world_size=8, device="h100", tp=2)
+    tp = dry_run(SHAPE, world_size=8, device="h100", tp=2)
     graphs = (tp.report.capture.forward, tp.report.capture.backward)
     kinds = ("all_gather", "reduce_scatter")  # an all-reduce reads its size from the (gone) process group
     sizes = {c.group_size for graph in graphs for c in find_collectives(graph, kinds=kinds)}
@@ -87,9 +96,10 @@ def test_tensor_parallel_dry_run_splits_the_world(small_w8):
     # both shard every block matmul 8 ways; TP keeps the norms whole on its 2 ranks, so a little more
     assert tp.persistent.params_bytes == pytest.approx(small_w8.persistent.params_bytes, rel=0.05)
     assert (tp.tp, small_w8.tp) == (2, 1)
-    # tokens: batch 2 x 64 per data-parallel rank; the tp ranks of one dp rank share theirs
-    assert tp.tokens_per_s == pytest.approx(2 * 64 * 4 / tp.step_s)
-    assert small_w8.tokens_per_s == pytest.approx(2 * 64 * 8 / small_w8.step_s)
+    # tokens: batch x seq per data-parallel rank; the tp ranks of one dp rank share theirs
+    tokens = SHAPE.batch * SHAPE.seq
+    assert tp.tokens_per_s == pytest.approx(tokens * 4 / tp.step_s)
+    assert small_w8.tokens_per_s == pytest.approx(tokens * 8 / small_w8.step_s)
 
 
 @pytest.mark.parametrize(

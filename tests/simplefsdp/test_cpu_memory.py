@@ -84,6 +84,7 @@ def test_kept_freed_memory_is_reused_without_faulting_it_in_again():
     assert kept < PAGES_PER_STEP // 8, f"kept, the heap serves them again: {kept} faults (default: {default})"
 
 
+@pytest.mark.slow  # a fresh process of its own; its sibling above keeps the fast tier's
 def test_returning_freed_memory_undoes_keeping_it():
     (faults,) = _last_steps_faults("keep", "return", "measure")
     assert faults > PAGES_PER_STEP // 3, "blocks of 1 MiB and more unmapped again"

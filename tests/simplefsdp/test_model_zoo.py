@@ -20,12 +20,13 @@ from tests.simplefsdp.test_training import FP32_TOL
 
 pytestmark = pytest.mark.timeout(420)
 
-# The ResNet (BatchNorm, 2-D conv) stays in the fast tier; the recurrent model next, for the
-# eager-RNN path; the rest run in the full suite.
-ORDER = ["resnet", "recurrent", "convnext", "vit", "audio", "cell-loop"]
+# The recurrent model stays in the fast tier (the eager-RNN path; its compile is the cheapest);
+# the conv nets (inductor building their convolution kernels), the ViT and the audio net run in the
+# full suite. BatchNorm's rank-0 statistics stay in the fast tier through the checkpoint test below.
+ORDER = ["recurrent", "resnet", "convnext", "vit", "audio", "cell-loop"]
 
 
-@pytest.mark.parametrize("name", fast_first(ORDER, fast=2))
+@pytest.mark.parametrize("name", fast_first(ORDER))
 def test_trains_like_one_process(ranks2, name):
     results = ranks2.run(_zoo.train_simplefsdp, name)
     ours = results[0]
