@@ -46,7 +46,7 @@ Consequences:
   traced;
 - when the model is called from inside a larger compiled function (`torch.compile(train_step)`),
   the config is already fixed by the time Dynamo reaches the model; the wrapper then does
-  nothing, and `active(model)` around the compiled call is the way to apply the pass. Without it,
+  nothing, and `compile_scope(model)` around the compiled call is the way to apply the pass. Without it,
   the first such trace warns once (`_inactive_check`): the graphs compile with no bucketing and no
   reordering, which is correct but slow, and was silent.
 """
@@ -69,12 +69,14 @@ from simplefsdp._compat import (
     CustomGraphPass,
     CustomInferenceAwareGraphPass,
     backend_graph_passes,
+    checkpoint_side_effects_once,
     eager_top_frame,
     functorch_config,
     inductor_config,
     init_backend_registration,
     rank_aware_cache_keys,
 )
+from simplefsdp.activation_checkpoint import has_checkpointed_blocks
 from simplefsdp.class_swap import subclass
 from simplefsdp.passes.fsdp_pass import FsdpPass, code_fingerprint
 from simplefsdp.passes.uneven import fold_uneven_reductions
@@ -82,8 +84,8 @@ from simplefsdp.passes.uneven import fold_uneven_reductions
 __all__ = [
     "ChainedPass",
     "FoldUnevenPadding",
-    "active",
     "attach_pass",
+    "compile_scope",
     "configured_passes",
     "installed",
     "pass_of",
@@ -233,17 +235,23 @@ def pass_of(model: nn.Module) -> FsdpPass | None:
 
 
 @contextlib.contextmanager
-def active(model: nn.Module) -> Iterator[FsdpPass | None]:
+def compile_scope(model: nn.Module) -> Iterator[FsdpPass | None]:
     """Inside the block, compiles run `model`'s pass (chained with any pass already configured), and
     the DTensors of its meshes get per-rank compile-cache keys ([Note: per-rank AOTAutograd cache
     keys for DTensor inputs] in `_compat.py`); both end with the block.
 
     Needed only when the model is compiled as part of a larger function; `torch.compile(model)`
     applies it by itself. With the model's passes off, only the cache keys.
+
+        step = torch.compile(train_step)          # calls the wrapped model inside
+        with simplefsdp.compile_scope(model):
+            loss = step(batch)
     """
     graph_pass = pass_of(model)
     with contextlib.ExitStack() as stack:
         stack.enter_context(rank_aware_cache_keys(getattr(model, _MESHES_ATTR, ())))
+        if has_checkpointed_blocks(model):  # [Note: side effects in a checkpointed block run once when compiled]
+            stack.enter_context(checkpoint_side_effects_once())
         if graph_pass is None:
             yield None
             return
@@ -288,7 +296,7 @@ def _on_the_cpu(model: nn.Module) -> bool:
 @torch.compiler.disable
 def _enter(model: nn.Module) -> contextlib.ExitStack:
     stack = contextlib.ExitStack()
-    stack.enter_context(active(model))
+    stack.enter_context(compile_scope(model))
     return stack
 
 
@@ -340,7 +348,7 @@ def _inactive_check(cls: type[nn.Module], pass_key: str) -> Callable[[], bool]:
                 f"simplefsdp: a wrapped {cls.__name__} is being compiled inside a larger compiled function, "
                 "where simplefsdp's graph passes (bucketing, reordering) and per-rank compile-cache keys do "
                 "not apply by themselves; the graphs will be correct but unbucketed. Call the compiled function inside "
-                "`with simplefsdp.passes.install.active(model):`, or compile the model itself.",
+                "`with simplefsdp.compile_scope(model):`, or compile the model itself.",
                 UserWarning,
                 stacklevel=2,
             )
@@ -351,7 +359,7 @@ def _inactive_check(cls: type[nn.Module], pass_key: str) -> Callable[[], bool]:
 
 @functools.cache
 def _compiling_class(cls: type[nn.Module], pass_key: str | None) -> type[nn.Module]:
-    """`cls` with a `forward` that runs inside `active(model)`: under the pass keyed `pass_key` (its
+    """`cls` with a `forward` that runs inside `compile_scope(model)`: under the pass keyed `pass_key` (its
     `uuid()`), named `PassOnCompile[<cls>]`, or, with passes off (None), under the compile-cache
     scope alone, named `CompileScope[<cls>]`, so a traceback or `repr` says what was added."""
     original_forward = cls.forward

@@ -14,6 +14,7 @@ from simplefsdp.mixed_precision import MixedPrecisionPolicy
 from simplefsdp.parametrize import sharded_parameters
 from simplefsdp.passes import aot_eager as _register_aot_eager_backend  # noqa: F401  (registers the backend)
 from simplefsdp.passes.fsdp_pass import BucketConfig, PassConfig
+from simplefsdp.passes.install import compile_scope
 from simplefsdp.passes.reorder import ReorderConfig
 from simplefsdp.strategy import ShardingStrategy
 from simplefsdp.wrap import wrap
@@ -26,6 +27,7 @@ __all__ = [
     "ReorderConfig",
     "ShardingStrategy",
     "checkpoint_blocks",
+    "compile_scope",
     "from_accelerate",
     "gloo",
     "grad_scaler",

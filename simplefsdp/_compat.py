@@ -467,9 +467,9 @@ def init_fake_process_group(*, rank: int, world_size: int) -> None:
 # graphs are identical still share. It only ever makes keys more specific (never a wrong hit where
 # torch had none).
 # Where it applies: only inside `rank_aware_cache_keys(meshes)`, which a wrapped model enters while
-# it compiles (`passes/install.py`: its forward, or `active(model)` around a larger compiled
+# it compiles (`passes/install.py`: its forward, or `compile_scope(model)` around a larger compiled
 # function), and only to DTensors on those meshes, hashed on the thread (context) that entered it.
-# A wrapped model traced inside a larger compiled function outside `active(model)` gets torch's
+# A wrapped model traced inside a larger compiled function outside `compile_scope(model)` gets torch's
 # keys, as it gets no pass there.
 # torch calls the method on the fake copies of the graph's inputs that Dynamo makes (not on the
 # parameters themselves, whose mesh object the copies keep), so it cannot be set per parameter: it
@@ -550,8 +550,8 @@ def rank_aware_cache_keys(meshes: Iterable) -> Iterator[None]:
 # [Note: the Trainer and Accelerate internals simplefsdp.hf relies on]
 # The Trainer mixin (`simplefsdp/hf/trainer.py`) overrides Trainer methods that are not public API and
 # sets Accelerate attributes that are not either. Each is reached here. Checked (read, and the Trainer
-# test run, bench/results/compat_runs.md) on transformers 5.24.0 with accelerate 1.16.0 and on
-# transformers 4.51.3 with accelerate 1.14.0: the two ends of the `hf` extra's range in pyproject.toml.
+# test run, bench/results/compat_runs.md) on transformers 5.25.0 (and 5.24.0) with accelerate 1.16.0 and
+# on transformers 4.51.3 with accelerate 1.14.0: the two ends of the `hf` extra's range in pyproject.toml.
 # transformers and accelerate are imported inside the functions: simplefsdp itself needs neither.
 # - TRAINER_HOOKS: the Trainer's private methods the mixin overrides (its checkpoint's model and
 #   optimizer state), and `save_model`'s private `_internal_call` argument, which the public
@@ -593,7 +593,7 @@ def check_trainer_internals() -> None:
     if missing:
         raise RuntimeError(
             f"simplefsdp.hf overrides Trainer.{', Trainer.'.join(missing)}, which transformers "
-            f"{transformers.__version__} does not have (checked on 4.51.3 and 5.24.0)"
+            f"{transformers.__version__} does not have (checked on 4.51.3, 5.24.0 and 5.25.0)"
         )
 
 
@@ -613,10 +613,22 @@ def use_grad_scaler(accelerator, scaler) -> None:
 
 def trainer_file_names() -> tuple[str, str]:
     """(the scheduler's, the training arguments') file names in a Trainer checkpoint.
-    `transformers.trainer.SCHEDULER_NAME`, `TRAINING_ARGS_NAME`: checked on 4.51.3 and 5.24.0."""
+    `transformers.trainer.SCHEDULER_NAME`, `TRAINING_ARGS_NAME`: checked on 4.51.3, 5.24.0 and 5.25.0."""
     from transformers.trainer import SCHEDULER_NAME, TRAINING_ARGS_NAME
 
     return SCHEDULER_NAME, TRAINING_ARGS_NAME
+
+
+# [Note: side effects in a checkpointed block run once when compiled] (activation_checkpoint.py):
+# Dynamo's switch to trace a checkpointed region whose forward mutates Python state, running the
+# mutation in the forward only. `torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint`:
+# checked on 2.13; where a torch lacks it, nothing is set (such regions then break the graph).
+def checkpoint_side_effects_once() -> contextlib.AbstractContextManager:
+    import torch._dynamo.config as dynamo_config
+
+    if not hasattr(dynamo_config, "skip_fwd_side_effects_in_bwd_under_checkpoint"):
+        return contextlib.nullcontext()
+    return dynamo_config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=True)
 
 
 __all__ = [
@@ -642,6 +654,7 @@ __all__ = [
     "backend_graph_passes",
     "c10d_functional",
     "check_trainer_internals",
+    "checkpoint_side_effects_once",
     "chunk_cat",
     "compiled_in_place",
     "count_cpu_allocations_on_every_thread",

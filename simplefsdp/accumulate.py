@@ -28,7 +28,7 @@ the micro-batches' sums wait in `.grad` for the synchronizing backward:
   next forward adds the sum again. Two forwards backpropagated together (`(loss1 + loss2).backward()`)
   both carry the sum, and whichever backward runs first adds it; the other adds zeros. The sums of
   the parameters such a forward does not use are reduced into their `.grad` right after it, each by
-  itself, through the same reduction (`gather.reduce_pending`). So once a synchronizing backward is
+  itself, through the same reduction (`gather.reduce_deferred`). So once a synchronizing backward is
   done, every parameter's `.grad` holds all its micro-batches' reduced gradients, `optimizer.step()`
   can follow, and nothing is carried into the next step. `reduce_pending(model)` reduces every sum
   on demand, for a loop whose last micro-batch ran inside `no_sync`.

@@ -22,6 +22,20 @@ tensors_saved_with_vc_check to be Tensors"). So the "full" policy recomputes eve
 those, whose outputs it saves (for attention: its output and log-sum-exp, [B, H, S, Dh] and
 [B, H, S]); "selective" also saves matmul outputs. A user policy that recomputes attention
 works in eager mode and hits that error under torch.compile.
+
+[Note: side effects in a checkpointed block run once when compiled]
+Eager non-reentrant checkpointing runs a block's forward again in backward, Python side effects
+included. Dynamo cannot replay those in a compiled backward, so by default it refuses to trace a
+checkpointed region whose forward mutates Python state outside it, and breaks the graph there --
+at every checkpointed block. Hugging Face models with the `kernels` package installed (a
+dependency of transformers from 5.25) do that in every layer: the wrapper that routes kernelized
+functions sets a module-level variable on entering a forward and resets it on leaving. A graph
+break per block splits each block's collectives over several graphs, which the passes cannot
+bucket together. So while a wrapped root that has checkpointed blocks compiles (its
+`simplefsdp.compile_scope`), Dynamo is told to run such side effects once, in the forward, and not
+again in the recomputation (`_compat.checkpoint_side_effects_once`). A set-and-reset like that one
+leaves the same state either way; a block whose forward must repeat a side effect in backward
+(a call counter, a Python-side RNG) should not rely on it under torch.compile.
 """
 
 from __future__ import annotations
@@ -37,11 +51,12 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 from simplefsdp.blocks import find_repeated_blocks
 from simplefsdp.class_swap import subclass, user_class
 
-__all__ = ["checkpoint_blocks"]
+__all__ = ["checkpoint_blocks", "has_checkpointed_blocks"]
 
 Policy = Callable[..., CheckpointPolicy]
 _POLICY_ATTR = "_simplefsdp_checkpoint_policy"
 _ORIGINAL_ATTR = "_simplefsdp_uncheckpointed_class"
+_HAS_ATTR = "_simplefsdp_has_checkpointed_blocks"  # on the module checkpoint_blocks() was given
 
 _aten = torch.ops.aten
 # outputs worth keeping under "selective": the matmuls and attention (compute-bound to recompute)
@@ -137,4 +152,11 @@ def checkpoint_blocks(
         module = modules[name]
         setattr(module, _POLICY_ATTR, policy)
         module.__class__ = _checkpointed_class(type(module))
+    setattr(model, _HAS_ATTR, True)
     return names
+
+
+def has_checkpointed_blocks(model: nn.Module) -> bool:
+    """Whether `checkpoint_blocks(model)` checkpointed blocks of `model` (read on every call of a
+    wrapped root, so a flag rather than a walk over its modules)."""
+    return getattr(model, _HAS_ATTR, False)

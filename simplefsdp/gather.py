@@ -66,7 +66,7 @@ from simplefsdp import accumulate, tied
 from simplefsdp.accumulate import Accumulation
 from simplefsdp.tensor_parallel import TensorParallelLayout
 
-__all__ = ["OWNER_KEY", "GatherSpec", "gather_full", "reduce_pending"]
+__all__ = ["OWNER_KEY", "GatherSpec", "gather_full", "reduce_deferred"]
 
 OWNER_KEY = "simplefsdp_param"  # node.meta["custom"] key naming the parameter a collective serves
 
@@ -124,7 +124,7 @@ def gather_full(param: DTensor, spec: GatherSpec) -> torch.Tensor:
     return full
 
 
-def reduce_pending(param: DTensor, spec: GatherSpec, pending: torch.Tensor) -> None:
+def reduce_deferred(param: DTensor, spec: GatherSpec, pending: torch.Tensor) -> None:
     """Reduce the deferred sum `pending` (this rank's unreduced full gradient, in `spec.reduce_dtype`)
     into `param.grad`, for a parameter the synchronizing forward did not use: zeros back-propagated
     through a gather that adds the sum, so the reduction is the one a used parameter's backward runs

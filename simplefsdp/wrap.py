@@ -19,7 +19,7 @@ from simplefsdp.accumulate import Accumulation, attach
 from simplefsdp.blocks import find_repeated_blocks, validate_patterns
 from simplefsdp.cached_params import repoint_caches, warn_about_cached_references, warn_about_eager_modules
 from simplefsdp.class_swap import user_class
-from simplefsdp.gather import GatherSpec, ReduceOp, reduce_pending
+from simplefsdp.gather import GatherSpec, ReduceOp, reduce_deferred
 from simplefsdp.mesh import resolve_mesh
 from simplefsdp.mixed_precision import MixedPrecisionPolicy
 from simplefsdp.parametrize import gather_on_access, is_wrapped_module
@@ -269,7 +269,7 @@ def _shard_parameters(model: nn.Module, params: dict[str, nn.Parameter], setting
                     fqn,
                     sharded[id(param)],
                     grad_dtype=specs[name].reduce_dtype,
-                    reduce=functools.partial(reduce_pending, sharded[id(param)], specs[name]),
+                    reduce=functools.partial(reduce_deferred, sharded[id(param)], specs[name]),
                 )
         for name in specs:
             module._parameters[name] = sharded[id(module._parameters[name])]

@@ -104,7 +104,7 @@ from simplefsdp.passes.fsdp_pass import FsdpPass
 from simplefsdp.strategy import ShardingStrategy
 from simplefsdp.wrap import make_pass
 
-__all__ = ["PASS_VARIANTS", "Advice", "Choice", "Row", "advise", "rank", "recost"]
+__all__ = ["PASS_VARIANTS", "Advice", "Choice", "Row", "advise", "rank_rows", "recost"]
 
 logger = logging.getLogger(__name__)
 
@@ -286,7 +286,7 @@ def advise(
         device=profile,
         capacity_bytes=capacity,
         margin=margin,
-        rows=rank(rows),
+        rows=rank_rows(rows),
         traces=traces,
         recosts=recosts,
         search_s=time.perf_counter() - started,
@@ -464,7 +464,7 @@ def _rows(
     return rows
 
 
-def rank(rows: Sequence[Row]) -> tuple[Row, ...]:
+def rank_rows(rows: Sequence[Row]) -> tuple[Row, ...]:
     """`rows` best first, per [Note: ranking] (whatever order they come in)."""
 
     def key(row: Row) -> tuple:

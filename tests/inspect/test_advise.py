@@ -13,7 +13,7 @@ import random
 import pytest
 
 from simplefsdp.inspect import cli
-from simplefsdp.inspect.advise import PASS_VARIANTS, Choice, advise, rank
+from simplefsdp.inspect.advise import PASS_VARIANTS, Choice, advise, rank_rows
 from simplefsdp.inspect.dryrun import dry_run
 from simplefsdp.inspect.shapes import model_shape
 from simplefsdp.strategy import ShardingStrategy
@@ -94,7 +94,7 @@ def test_ranking_fits_first_fastest_first_then_smallest_peak(tiny_w8):
 def test_the_ranking_does_not_depend_on_the_order_rows_are_costed_in(tiny_w8):
     shuffled = list(tiny_w8.rows)
     random.Random(0).shuffle(shuffled)
-    assert rank(shuffled) == tiny_w8.rows
+    assert rank_rows(shuffled) == tiny_w8.rows
 
 
 @pytest.mark.slow
@@ -272,4 +272,4 @@ def test_tensor_parallel_rows_rank_by_throughput_not_step_time(tiny_w8):
         dp, choice=tp_choice, result=dataclasses.replace(dp.result, tp=2, step_s=0.6 * dp.result.step_s)
     )
     assert tp.result.step_s < dp.result.step_s
-    assert rank([tp, dp]) == (dp, tp)
+    assert rank_rows([tp, dp]) == (dp, tp)

@@ -155,8 +155,8 @@ def test_auto_plan_on_a_real_graph_is_valid_and_deterministic(fake_world8):
 @pytest.mark.slow
 def test_model_inside_a_compiled_step(fake_world8):
     """Called from a larger compiled function, the wrapped model traces without a graph break
-    (fullgraph=True); its pass runs when the compiling call is inside `active(model)`."""
-    from simplefsdp.passes.install import active
+    (fullgraph=True); its pass runs when the compiling call is inside `compile_scope(model)`."""
+    from simplefsdp.passes.install import compile_scope
 
     model = simplefsdp.wrap(Transformer(ARGS), init_device_mesh("cpu", (8,)))
     tokens = torch.randint(0, ARGS.vocab_size, (2, 8))
@@ -167,9 +167,9 @@ def test_model_inside_a_compiled_step(fake_world8):
 
     with inductor_config.patch(fx_graph_cache=False), functorch_config.patch(enable_autograd_cache=False):
         step(tokens).backward()
-        assert pass_of(model).graphs == 0, "outside active(): the compile config was fixed before the model"
+        assert pass_of(model).graphs == 0, "outside compile_scope(): the compile config was fixed before the model"
         torch.compiler.reset()
-        with active(model):
+        with compile_scope(model):
             step(tokens).backward()
     assert pass_of(model).graphs == 2
     assert pass_of(model).merged > 0

@@ -66,7 +66,7 @@ def test_ours_runs_first_then_the_users():
             assert installed() == (ours, user), "ours first, then the user's"
             assert inductor_config.post_grad_custom_post_pass is None, "the user's moved into the chain"
             with running((ours,)):
-                assert installed() == (ours, ours, user), "a nested block chains (active() checks first)"
+                assert installed() == (ours, ours, user), "a nested block chains (compile_scope() checks first)"
             assert installed() == (ours, user)
             ChainedPass(installed())(fx.Graph())
         assert installed() == (user,), "restored on exit"
@@ -243,15 +243,15 @@ def test_a_sequential_root_compiles_as_one_graph(fake_world8):
 
 
 def test_compiled_inside_a_larger_function_warns_unless_active(fake_world8):
-    """A wrapped model traced inside `torch.compile(fn)` gets no passes unless `active(model)` is
-    around the call: that used to be silent; now the first trace warns (once), and with `active`
+    """A wrapped model traced inside `torch.compile(fn)` gets no passes unless `compile_scope(model)` is
+    around the call: that used to be silent; now the first trace warns (once), and with `compile_scope`
     the pass runs and nothing warns."""
     import warnings
 
     import torch
 
     import simplefsdp
-    from simplefsdp.passes.install import active, pass_of
+    from simplefsdp.passes.install import compile_scope, pass_of
 
     def build():
         return simplefsdp.wrap(torch.nn.Sequential(*(torch.nn.Linear(8, 8) for _ in range(2))))
@@ -267,7 +267,7 @@ def test_compiled_inside_a_larger_function_warns_unless_active(fake_world8):
 
     model = build()
     step = torch.compile(lambda x: model(x).sum(), backend="simplefsdp_aot_eager")
-    with warnings.catch_warnings(record=True) as caught, active(model):
+    with warnings.catch_warnings(record=True) as caught, compile_scope(model):
         warnings.simplefilter("always")
         step(torch.randn(2, 8)).backward()
     assert not [w for w in caught if "larger compiled function" in str(w.message)]
@@ -328,19 +328,19 @@ def test_the_pass_pauses_the_garbage_collector_and_restores_it(monkeypatch):
 
 
 def test_a_cpu_model_compiles_without_buffer_reuse(fake_world8):
-    """[Note: no buffer reuse on the CPU]: inside `active(model)` inductor's buffer reuse is off for a
+    """[Note: no buffer reuse on the CPU]: inside `compile_scope(model)` inductor's buffer reuse is off for a
     model on the CPU, on for one elsewhere (here the meta device), and as it was after the block."""
     import simplefsdp
-    from simplefsdp.passes.install import active
+    from simplefsdp.passes.install import compile_scope
 
     assert inductor_config.allow_buffer_reuse
     on_cpu = simplefsdp.wrap(torch.nn.Linear(8, 8))
     with torch.device("meta"):
         on_meta = simplefsdp.wrap(torch.nn.Linear(8, 8))
-    with active(on_cpu):
+    with compile_scope(on_cpu):
         assert not inductor_config.allow_buffer_reuse
     assert inductor_config.allow_buffer_reuse
-    with active(on_meta):
+    with compile_scope(on_meta):
         assert inductor_config.allow_buffer_reuse
 
 

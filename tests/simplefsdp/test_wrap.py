@@ -15,7 +15,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 import simplefsdp
 from simplefsdp._compat import rank_aware_cache_key
 from simplefsdp.models import Transformer, TransformerArgs
-from simplefsdp.passes.install import active
+from simplefsdp.passes.install import compile_scope
 from tests._tiers import fast_first
 
 ARGS = TransformerArgs(vocab_size=67, dim=32, n_layers=2, n_heads=4, ffn_dim=88, max_seq_len=16)
@@ -249,7 +249,7 @@ def test_dtensor_cache_key_sees_the_local_shard(mesh):
     DTensor inputs]."""
     model = simplefsdp.wrap(nn.Linear(2, 2), mesh)
     rank0, rank7, same_as_rank0 = _uneven(mesh, 9), _uneven(mesh, 4), _uneven(mesh, 9, fill=1.0)
-    with active(model):
+    with compile_scope(model):
         assert rank0._stable_hash_for_caching() != rank7._stable_hash_for_caching()
         assert rank0._stable_hash_for_caching() == same_as_rank0._stable_hash_for_caching()
     assert rank0._stable_hash_for_caching() == rank7._stable_hash_for_caching(), "torch's own key again"
@@ -262,7 +262,7 @@ def test_dtensor_cache_key_changes_only_on_wrapped_meshes(mesh):
     other = init_device_mesh("cpu", (4, 2), mesh_dim_names=("a", "b"))  # no wrapped model uses it
     rank0 = DTensor.from_local(torch.zeros(9, 4), other, [Replicate(), Shard(0)], shape=(67, 4), stride=(4, 1))
     rank7 = DTensor.from_local(torch.zeros(4, 4), other, [Replicate(), Shard(0)], shape=(67, 4), stride=(4, 1))
-    with active(model):
+    with compile_scope(model):
         assert rank0._stable_hash_for_caching() == rank7._stable_hash_for_caching() == TORCH_KEY(rank0)
 
 
@@ -279,15 +279,15 @@ def _keys_while_compiling(fn, *args) -> list[tuple[str, DTensor]]:
     return seen
 
 
-@pytest.mark.parametrize("how", ["model", "passes off", "inside a compiled step, in active()"])
+@pytest.mark.parametrize("how", ["model", "passes off", "inside a compiled step, in compile_scope()"])
 def test_wrapped_model_compiles_with_per_rank_cache_keys(mesh, how):
     """simplefsdp's own compiles -- the wrapped model compiled, with passes or without, or called
-    from a compiled function inside `active(model)` -- key its DTensors per rank."""
+    from a compiled function inside `compile_scope(model)` -- key its DTensors per rank."""
     passes = None if how == "passes off" else simplefsdp.PassConfig()
     model = simplefsdp.wrap(nn.Linear(4, 67), mesh, passes=passes)
     x = torch.ones(2, 4)
     if how.startswith("inside"):
-        with active(model):
+        with compile_scope(model):
             keys = _keys_while_compiling(lambda x: model(x).sum(), x)
     else:
         keys = _keys_while_compiling(model, x)
@@ -394,3 +394,25 @@ def test_accelerate_mixed_precision_gives_fp32_masters(mesh):
     model = nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 8)).to(torch.bfloat16)
     simplefsdp.wrap(model, mesh, **simplefsdp.from_accelerate(document, model=model).wrap_kwargs())
     assert {p.dtype for p in model.parameters()} == {torch.float32}
+
+
+def test_public_names_mean_one_thing():
+    """Every name a module of the package exports (`__all__`) is one object wherever it is exported:
+    two different functions under one public name (two `reduce_pending`s once) read as one."""
+    import importlib
+    import pkgutil
+
+    exported: dict[str, dict[int, str]] = {}
+    for info in pkgutil.walk_packages(simplefsdp.__path__, prefix="simplefsdp."):
+        if info.name.endswith(".__main__"):  # runs its command when imported
+            continue
+        module = importlib.import_module(info.name)
+        for name in getattr(module, "__all__", ()):
+            value = getattr(module, name)
+            if name == "main":  # each command's entry point
+                continue
+            if callable(value) or isinstance(value, type):
+                exported.setdefault(name, {})[id(value)] = info.name
+    clashes = {name: sorted(where.values()) for name, where in exported.items() if len(where) > 1}
+    assert not clashes, f"one public name, different objects: {clashes}"
+    assert simplefsdp.compile_scope is simplefsdp.passes.install.compile_scope
