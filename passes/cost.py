@@ -7,8 +7,8 @@
 buffer) and 2 for all-reduce. A profile may carry its own alpha and bandwidth per kind of
 collective (a calibrated one does: each kind is measured on its own), and an `overlap`
 efficiency: the share of a collective's time that really runs in parallel with compute (1 on a GPU
-with a communication stream; on a small CPU host the communication threads take the cores the
-compute uses, and the share is measured, see `simplefsdp calibrate`).
+with a communication stream; on CPU ranks the communication threads take the cores the compute
+uses, and the share is measured, see `simplefsdp calibrate`).
 
 FLOPs come from `torch.utils.flop_counter`'s formulas (matmuls, convolutions, attention); every
 other op is memory bound, except those that move no data: views,
@@ -18,112 +18,89 @@ the same in every run: the `auto` bucket plan and the inspection tools rely on i
 rank plans; they do not predict wall time to the microsecond.
 
 [Note: where the profiles' numbers come from]
-- compute and memory: dense BF16 peak and HBM bandwidth from NVIDIA's datasheets -- H100 SXM5
-  989 TFLOP/s and 3.35 TB/s; H200 the same compute and 4.8 TB/s; A100 SXM4 80GB 312 TFLOP/s and
-  2.0 TB/s (the 40GB model: 1.555 TB/s);
-- bus bandwidth: about 360 GB/s (H100 / H200) and 230 GB/s (A100), the all-gather / reduce-scatter
-  bus bandwidth nccl-tests reports for 8 GPUs within an NVLink node (NVLink 4: 450 GB/s per
-  direction, NVLink 3: 300 GB/s); 15 us per collective. Across nodes (InfiniBand at 400 Gb/s,
-  50 GB/s per GPU) a ring runs slower, so at world sizes beyond 8 these are optimistic;
-- memory capacity per device, from the datasheets in decimal GB (10^9 bytes): H100 SXM5 80 GB,
-  H200 141 GB, A100 80 GB and 40 GB. A device reports a little more usable memory than that in
-  binary units (an H200 about 139 GiB = 149 GB), so a verdict against these numbers errs on the
-  safe side; a calibrated profile carries what its device reports (`simplefsdp calibrate`);
-- "cpu-gloo": order-of-magnitude numbers for two processes on one small host over gloo's TCP
-  loopback (100 us per collective, 2 GB/s, 50 GFLOP/s matmuls, 10 GB/s memory traffic, half of a
-  collective's time hidden by compute), enough to rank bucket plans there; `simplefsdp calibrate`
-  measures the machine at hand and writes a profile file, which every place that takes a profile
-  name also takes (`profile(path)`);
-- the named profiles charge no wake-up latency, no launch time, no copy-op call overhead, no
-  per-collective step cost, a memory-bound optimizer step (no per-tensor overhead) and no staging
-  memory for collectives (NCCL's buffers live outside PyTorch's allocator): only a calibrated
-  profile measures those (see [Note: what a training step adds]).
+The named profiles (`PROFILES`: h100, h200, a100, a100-40gb, cpu-gloo) are read from `profiles.toml`,
+each value with its source ([Note: the named profiles are data]): datasheet peaks for compute, memory
+bandwidth and capacity; the bus bandwidth nccl-tests reports within one NVLink node for collectives
+(optimistic across nodes, so beyond 8 ranks); round numbers of the right order for "cpu-gloo",
+enough to rank bucket plans on CPU ranks. They charge none of [Note: what a training step adds]: no
+wake-up, launch, copy-op call or per-collective step cost, a memory-bound optimizer step, and no
+staging memory (NCCL's buffers live outside PyTorch's allocator). `simplefsdp calibrate` measures
+all of it on the machine at hand and writes a profile file, which every place that takes a profile
+name also takes (`profile(path)`).
 
 [Note: what a training step adds]
 What a training step pays that a collective timed back to back, or a roofline, does not show. All
-nine are measured by `simplefsdp calibrate`; the named profiles leave them at zero / memory bound
-(and compute at the roofline).
-- Compute as compiled: the roofline takes the matmul rate of one large square matmul and the
-  bandwidth of one large copy, timed for a fraction of a second each. On the 2-core host that
-  matmul timed 82-216 GFLOP/s from one calibration to the next, and the predicted steps followed it
-  while the steps themselves did not (a validation run that timed 88 GFLOP/s over-predicted by up
-  to 20%, one that timed 188 GFLOP/s under-predicted by up to 13%); and a compiled forward and
-  backward is not one large matmul: measured four times in one process, the 8-block benchmark
-  model's took 1.11-1.14x its roofline, a 4-block one 1.10-1.20x, the calibration's small probe
-  1.16-1.27x -- all while that matmul timed 93-99 GFLOP/s. So calibration times a real one,
-  the probe model compiled without sharding, against its roofline at the rates just measured, and
-  `compute_scale` (measured / roofline) multiplies every node's roofline (`node_seconds`): what
-  compiled compute runs at then comes from compiled compute, and a matmul timing caught in a
-  slow moment cancels out of it. Measured on the CPU only: on a GPU a model that small times kernel
-  launches, not throughput, and a scale taken from it would inflate every large model's compute.
+nine terms are measured by `simplefsdp calibrate`; the named profiles leave them at zero / memory
+bound (and compute at the roofline). The numbers quoted are one calibration of 2 gloo ranks on 2
+CPU cores (bench/results/profile.json, its `measured` section).
+- Compute as compiled: the roofline takes the rate of one large square matmul and of one large
+  copy, each timed for a fraction of a second. On a shared CPU that matmul rate moves from one
+  calibration to the next while the training steps do not, and a compiled forward and backward is
+  not one large matmul. So calibration times a real one, the probe model compiled without sharding,
+  against its roofline at the rates just measured, and `compute_scale` (measured / roofline: 1.17
+  in the record) multiplies every node's roofline (`node_seconds`): what compiled compute runs at
+  then comes from compiled compute, and a matmul timing caught in a slow moment cancels out of it.
+  Measured on the CPU only: on a GPU a model that small times kernel launches, not throughput, and
+  a scale taken from it would inflate every large model's compute.
 - Wake-up and drift: a collective launched after its process group sat idle while compute ran
-  costs more than one launched right after another (on a 2-core host over gloo: 0.5 ms back to
-  back, 1.5 ms after 0.7 ms of matmuls, 2.5 ms after 6 ms -- measured): a quick rise (the
-  communication threads have to be scheduled again) and then a slow growth with the length of the
-  compute (the ranks drift apart while they compute; the first to arrive waits for the other). The
-  cost model charges `wake_s * (1 - exp(-idle / wake_tau_s)) + drift * compute` on top of
-  alpha-beta, `idle` the time since the group's previous collective finished (unbounded for the
-  first of a graph) and `compute` the compute since then (since the graph began for the first)
-  (`wake_seconds`). A training step's stretches of compute between collectives run to tens of
-  milliseconds, so calibration times stretches out to 32 ms, and the drift's charge stops growing
-  at the longest stretch it measured (`drift_span_s`): a line is not extrapolated past its data.
-  Measured on a 2-core AMD EPYC host (2 gloo ranks, 2026-12-04): with stretches of at most 8 ms a
-  calibration fitted 0.30 s per s of compute (2.3 ms extra at 7.6 ms), while the same timing
-  carried out to 45 ms gave 1.3-2.4 ms extra at 11-45 ms, not the 3-14 ms the line says (the ranks'
-  scheduling jitter grows with a stretch up to a few time slices, then stays); with that profile
-  the scoreboard over-predicted 6 of its 10 simplefsdp rows by more than 15%. Timed out to 32 ms,
-  the next calibration saw the extra flat at 1.5-1.7 ms from 8 to 31 ms and fitted 0.004 s per s.
+  costs more than one launched right after another (in the record, 0.23 ms more after 0.33 ms of
+  matmuls, 2.2 ms more after 30 ms): a quick rise (the communication threads have to be scheduled
+  again) and then a slow growth with the length of the compute (the ranks drift apart while they
+  compute; the first to arrive waits for the other). The cost model charges `wake_s * (1 -
+  exp(-idle / wake_tau_s)) + drift * compute` on top of alpha-beta, `idle` the time since the
+  group's previous collective finished (unbounded for the first of a graph) and `compute` the
+  compute since then (since the graph began for the first) (`wake_seconds`). A training step's
+  stretches of compute between collectives run to tens of milliseconds, so calibration times
+  stretches out to 32 ms, and the drift's charge stops growing at the longest stretch it measured
+  (`drift_span_s`): a line is not extrapolated past its data. The extra flattens once a stretch
+  spans a few of the scheduler's time slices (the ranks' jitter stops growing), so a line fitted to
+  stretches of a few milliseconds would charge the long ones several times what they cost.
 - The optimizer step: `seconds per parameter tensor * tensors + seconds per element * elements`,
   per optimizer (`optimizer_seconds`). The per-tensor term is what dominates small models: an
-  eager optimizer over DTensor shards pays the DTensor dispatch for every op on every parameter
-  (AdamW over the 75 shards of the 8-block benchmark model: about 25 ms of a 230 ms step on this
-  host, where the memory-bound estimate says 4 ms).
+  eager optimizer over DTensor shards pays the DTensor dispatch for every op on every parameter (in
+  the record, AdamW over 64 shards of 4,096 elements took 11 ms, where the memory-bound estimate
+  says 0.25 ms).
 - The launch: issuing a collective takes the calling thread a while before it returns to compute,
-  time no overlap hides. Over gloo on the 2-core host, an asynchronous functional all-gather
-  returns after about 0.2 ms at any size, a reduce-scatter after 0.1 ms at 16 KiB and 2.3 ms at
-  16 MiB (it copies its input first) -- measured; a graph without bucketing issues over a hundred
-  collectives a step. `launch` holds, per kind, `seconds + seconds per byte * full buffer bytes`;
-  the schedule advances the compute clock by it at each launch (`launch_seconds`). Back-to-back
-  timings include it, so the collective's own alpha-beta time still starts at the launch.
+  time no overlap hides. Over gloo an asynchronous functional all-gather returns within 0.2 ms up
+  to 16 MiB, a reduce-scatter after 0.08 ms at 4 KiB and 2.1 ms at 16 MiB (it copies its input
+  first: the record); a graph without bucketing issues over a hundred collectives a step. `launch`
+  holds, per kind, `seconds + seconds per byte * full buffer bytes`; the schedule advances the
+  compute clock by it at each launch (`launch_seconds`). Back-to-back timings include it, so the
+  collective's own alpha-beta time still starts at the launch.
 - The copy ops' calls: a bucket's copy-in / copy-out (`kernels/copy_ops.py`) is one custom-op call
   that builds a tensor per member before any byte moves: the dispatcher, the checks, the outputs
-  (and on a GPU the kernel's pointer table). Timed on the 2-core host with 8-element tensors, a
-  call took 20-30 us plus 2-8 us per member tensor (a 9-member copy-out: about 100 us, a quarter
-  of its whole time at 6 MiB) -- measured; the roofline sees only the bytes. `copy_ops` holds, per
-  op, `seconds + seconds per member tensor`, charged on top of the op's roofline (`node_seconds`).
+  (and on a GPU the kernel's pointer table). On 8-element tensors an all-gather copy-in call took
+  0.09 ms for one member and 0.18 ms for 16 (the record); the roofline sees only the bytes.
+  `copy_ops` holds, per op, `seconds + seconds per member tensor`, charged on top of the op's
+  roofline (`node_seconds`).
 - Staging memory: a communication library may copy a collective's buffer while it runs. gloo
   all-gathers into a flat buffer of its own and copies out, and stages a reduce-scatter's input the
-  same way: about one full buffer each, held from launch to wait (measured by
-  `simplefsdp calibrate`). `staging` holds, per kind, those bytes per byte of the full buffer; the
-  liveness walk adds them while the collective is in flight (`passes/liveness.py`).
-- What is left per collective: a real compiled step still paid more per collective than all of the
-  above charge (on the 2-core host, 0.3-0.4 ms each: 24 ms + 0.41 ms per collective under the
-  measured step times of eight scoreboard rows with 27 to 224 collectives a step). Calibration
-  measures it last, on real compiled steps of a small model without and with the passes
-  (`simplefsdp/calibrate/step_probe.py`, [Note: what a collective costs a step]);
-  `step_collective_s` holds it, and the schedule charges it to the compute clock before each
-  collective starts, on top whether the collective is hidden or exposed (`step_collective_seconds`),
-  as time that is neither idle nor compute to the next collective's wake-up and drift (so a step
-  gains what the fit charged and no more: [Note: the step terms add what was measured, no more] in
-  `simplefsdp/inspect/schedule.py`; the same for the next term).
+  same way: about one full buffer each (1.0 in the record), held from launch to wait. `staging`
+  holds, per kind, those bytes per byte of the full buffer; the liveness walk adds them while the
+  collective is in flight (`passes/liveness.py`).
+- What is left per collective: a real compiled step still pays more per collective than all of the
+  above charge (0.46 ms in the record). Calibration measures it last, on real compiled steps of a
+  small model without and with the passes (`simplefsdp/calibrate/step_probe.py`, [Note: what a
+  collective costs a step]); `step_collective_s` holds it, and the schedule charges it to the
+  compute clock before each collective starts, on top whether the collective is hidden or exposed
+  (`step_collective_seconds`), as time that is neither idle nor compute to the next collective's
+  wake-up and drift (so a step gains what the fit charged and no more: [Note: the step terms add
+  what was measured, no more] in `simplefsdp/inspect/schedule.py`; the same for the next term).
 - What is left per wait right after a launch: with more ranks than cores, each rank that blocks on
-  a collective it has just issued must wait for every other rank to be scheduled, and that costs
-  milliseconds (4 gloo ranks on the 2 cores: 0.6-0.8 ms per such wait, two calibrations; 2 ranks:
-  0.17 ms, with 0.30 ms per collective, 2026-12-05, gloo with two worker threads; with one,
-  `simplefsdp/gloo.py`: nothing per such wait and 0.61 ms per collective, the same day). The
-  probe tells the two apart (the same buckets with and without reordering, per block and small),
-  `step_exposed_wait_s` holds it, and the schedule adds it to the stall of each wait with no
-  compute since its launch (`step_exposed_wait_seconds`).
+  a collective it has just issued must wait for every other rank to be scheduled, which can cost
+  tenths of a millisecond to milliseconds. The probe tells the two apart (the same buckets with and
+  without reordering, per block and small), `step_exposed_wait_s` holds it, and the schedule adds it
+  to the stall of each wait with no compute since its launch (`step_exposed_wait_seconds`).
 - What is left per collective run behind compute: the same split can come out the other way. With
-  gloo on one worker thread (`simplefsdp/gloo.py`), 2 ranks on the 2 cores, the probe's reordered
-  plans ran slower than their unreordered twins (56.2 against 50.0 ms, 117.3 against 103.7; the
-  model had them 7.5 and 11.7 ms faster) while its plans waited at once cost it no more per
-  collective than the rest: a collective whose transfer runs beside compute takes that compute's
-  core for a while, beyond what the overlap share, measured on a loop of one bucket-sized gather,
-  charges. A per-wait term would have to go negative to fit that; `step_hidden_s` holds it as a
-  positive price per collective with compute between its launch and its wait, paid at that wait
-  (`step_hidden_seconds`). The two are one signed quantity (every collective is one or the other),
-  so calibration fits at most one of them (`fit.fit_step_probe`).
+  gloo on one worker thread (`simplefsdp/gloo.py`), the probe's reordered plans can run slower than
+  their unreordered twins (in the record, 63.4 against 61.8 ms and 133.6 against 130.6 ms, where the
+  rest of the profile had them 8 and 15 ms faster): a collective whose transfer runs beside compute
+  takes that compute's core for a while, beyond what the overlap share, measured on a loop of one
+  bucket-sized gather, charges. A per-wait term would have to go negative to fit that;
+  `step_hidden_s` holds it as a positive price per collective with compute between its launch and
+  its wait, paid at that wait (`step_hidden_seconds`; 0.44 ms in the record). The two are one signed
+  quantity (every collective is one or the other), so calibration fits at most one of them
+  (`fit.fit_step_probe`).
 """
 
 from __future__ import annotations
@@ -131,6 +108,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import sys
 from pathlib import Path
 
 import torch
@@ -141,11 +119,17 @@ from simplefsdp.kernels.copy_ops import ALL_GATHER_COPY_IN, ALL_GATHER_COPY_OUT,
 from simplefsdp.passes.collectives import Collective, is_communication, is_view_of_input
 from simplefsdp.passes.liveness import sized_by_this_rank
 
+if sys.version_info >= (3, 11):
+    import tomllib
+else:
+    import tomli as tomllib
+
 __all__ = [
     "COLLECTIVE_KINDS",
     "COPY_OPS",
     "OPTIMIZER_BYTES_PER_ELEMENT",
     "PROFILES",
+    "PROFILES_FILE",
     "DeviceProfile",
     "collective_seconds",
     "compute_between",
@@ -154,6 +138,7 @@ __all__ = [
     "node_seconds",
     "optimizer_seconds",
     "profile",
+    "read_profiles",
     "save_profile",
     "seconds_of",
     "step_collective_seconds",
@@ -265,39 +250,50 @@ class DeviceProfile:
         return next(((a, b) for k, a, b in self.collectives if k == kind), (self.latency_s, self.bus_bytes_per_s))
 
 
-def _profile(
-    name: str,
-    alpha: float,
-    bus: float,
-    flops: float,
-    memory: float,
-    overlap: float = 1.0,
-    capacity_gb: float | None = None,
-    backend: str = "nccl",
-) -> DeviceProfile:
-    return DeviceProfile(
-        name=name,
-        backend=backend,
-        latency_s=alpha,
-        bus_bytes_per_s=bus,
-        flops_per_s=flops,
-        memory_bytes_per_s=memory,
-        overlap=overlap,
-        capacity_bytes=None if capacity_gb is None else capacity_gb * 1e9,
-    )
+# [Note: the named profiles are data]
+# The named profiles' numbers live in `profiles.toml` beside this module (package data), each with
+# the datasheet, published benchmark, result record or assumption it comes from, so a number and its
+# source change together and the code holds none. Each profile is a table of `DeviceProfile` fields,
+# each `{ value = ..., source = "..." }`; a value without a source is refused at import.
+PROFILES_FILE = Path(__file__).with_name("profiles.toml")
 
 
-PROFILES: dict[str, DeviceProfile] = {
-    p.name: p
-    for p in (
-        _profile("h100", alpha=15e-6, bus=360e9, flops=989e12, memory=3.35e12, capacity_gb=80),  # bf16, NVLink
-        _profile("h200", alpha=15e-6, bus=360e9, flops=989e12, memory=4.8e12, capacity_gb=141),
-        _profile("a100", alpha=15e-6, bus=230e9, flops=312e12, memory=2.0e12, capacity_gb=80),
-        _profile("a100-40gb", alpha=15e-6, bus=230e9, flops=312e12, memory=1.555e12, capacity_gb=40),
-        # two processes on one host over gloo (TCP loopback): what the CPU tests and benchmark run
-        _profile("cpu-gloo", alpha=100e-6, bus=2e9, flops=50e9, memory=10e9, overlap=0.5, backend="gloo"),
-    )
-}
+def _sourced_values(table: object, *, where: str) -> dict[str, object]:
+    """The `DeviceProfile` fields of one profile's table, each entry `{ value = ..., source = "..." }`."""
+    if not isinstance(table, dict):
+        raise ValueError(f"{where}: must be a table of DeviceProfile fields, got {table!r}")
+    fields = {f.name for f in dataclasses.fields(DeviceProfile)} - {"name"}
+    values = {}
+    for key, entry in table.items():
+        if key not in fields:
+            raise ValueError(f"{where} {key}: not a DeviceProfile field; known: {sorted(fields)}")
+        if not isinstance(entry, dict) or set(entry) != {"value", "source"}:
+            raise ValueError(f'{where} {key}: must be {{ value = ..., source = "..." }}, got {entry!r}')
+        if not isinstance(entry["source"], str) or not entry["source"].strip():
+            raise ValueError(f"{where} {key}: the source must say where the value comes from, got {entry['source']!r}")
+        values[key] = entry["value"]
+    return values
+
+
+def read_profiles(path: str | Path) -> dict[str, DeviceProfile]:
+    """The profiles of a data file in `profiles.toml`'s format, by name; an error names the file and key."""
+    path = Path(path)
+    try:
+        document = tomllib.loads(path.read_text())
+    except (OSError, tomllib.TOMLDecodeError) as error:
+        raise ValueError(f"device profiles file {str(path)!r}: {error}") from error
+    profiles = {}
+    for name, table in document.items():
+        where = f"device profiles file {str(path)!r}: [{name}]"
+        values = _sourced_values(table, where=where)
+        try:
+            profiles[name] = DeviceProfile(name=name, **values)
+        except (TypeError, ValueError) as error:
+            raise ValueError(f"{where}: {error}") from error
+    return profiles
+
+
+PROFILES: dict[str, DeviceProfile] = read_profiles(PROFILES_FILE)
 
 
 def profile(name: str | Path) -> DeviceProfile:

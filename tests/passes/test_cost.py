@@ -108,6 +108,31 @@ def test_unknown_profile_is_named():
         BucketConfig(plan="auto", device="tpu")
 
 
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("[x]\nlatency_s = 1e-5\n", r"\[x\] latency_s: must be \{ value = \.\.\., source"),
+        ('[x]\nlatency_s = { value = 1e-5, source = " " }\n', r"\[x\] latency_s: the source must say"),
+        ('[x]\nlatency = { value = 1e-5, source = "s" }\n', r"\[x\] latency: not a DeviceProfile field"),
+        ("x = 1\n", r"\[x\]: must be a table of DeviceProfile fields"),
+        ('[x]\nlatency_s = { value = 1e-5, source = "s" }\n', r"\[x\]: .*missing .*bus_bytes_per_s"),
+        ("[x\n", r"p\.toml"),
+    ],
+    ids=["bare value", "blank source", "unknown field", "not a table", "missing field", "not toml"],
+)
+def test_profiles_file_refuses_what_it_cannot_read(tmp_path, text, message):
+    """`cost.read_profiles` (the named profiles' data file): every value names its source; an error
+    names the file, the profile and the key."""
+    (tmp_path / "p.toml").write_text(text)
+    with pytest.raises(ValueError, match=message):
+        cost.read_profiles(tmp_path / "p.toml")
+
+
+def test_named_profiles_come_from_the_data_file():
+    assert cost.read_profiles(cost.PROFILES_FILE) == cost.PROFILES
+    assert set(cost.PROFILES) == {"h100", "h200", "a100", "a100-40gb", "cpu-gloo"}
+
+
 def test_wake_seconds_saturate_and_drift_grows_with_compute():
     device = dataclasses.replace(cost.profile("cpu-gloo"), wake_s=3e-3, wake_tau_s=2e-3)
     assert cost.wake_seconds(device, idle_s=0.0, compute_s=0.0) == 0.0
