@@ -13,7 +13,7 @@ Prints one table:
 2. The copy ops at a Llama-3-8B block (world 8) and at the embedding + norm + output bucket
    (world 2, where one parameter piece exceeds what the first kernel could launch), fp32 -> bf16:
    our GB/s against a plain device copy of the same bytes (target >= 90%) and our speed-up over
-   FSDP2's eager sequence (copy-in target >= 1.5x). Measured by `bench/kernels.py`'s `measure`.
+   FSDP2's eager sequence (copy-in target >= 1.5x). Measured by `bench/copy_kernels.py`'s `measure`.
 3. One training step (forward, backward, AdamW) of a Llama-3-8B-shaped model cut to 2 blocks (dim
    4096, 32 heads, ffn 14336, vocabulary 128256; simplefsdp's model has no grouped-query attention,
    so its k / v projections are 4096 x 4096, not 1024 x 4096), bf16
@@ -52,8 +52,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _load_kernel_bench():
-    """`bench/kernels.py` by its path: the name `kernels` alone could resolve to the package's kernels/."""
-    spec = importlib.util.spec_from_file_location("simplefsdp_bench_kernels", ROOT / "bench" / "kernels.py")
+    """`bench/copy_kernels.py` by its path, whatever the current directory (bench/ is not a package)."""
+    spec = importlib.util.spec_from_file_location("simplefsdp_bench_kernels", ROOT / "bench" / "copy_kernels.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

@@ -142,7 +142,7 @@ def _check_chunks(chunks: Sequence[int], n: int) -> None:
 
 
 # [Note: CPU implementations] The CPU paths are the unfused torch sequences FSDP2 runs, minus its
-# extra temporaries where that measured faster on a 2-core x86 CPU (`python bench/kernels.py --cpu`):
+# extra temporaries where that measured faster on a 2-core x86 CPU (`python bench/copy_kernels.py --cpu`):
 # all-gather copy-in is one `_foreach_copy_` that casts each shard straight into its place in the
 # slot (no cast temporaries, no separate padded copies); copy-out is `split_with_sizes_copy`;
 # reduce-scatter copy-in casts first when it must (`_chunk_cat` converting dtypes on the fly is

@@ -81,9 +81,13 @@ def test_scoreboard_runs_end_to_end(tmp_path):
         "predicted peak within +-10% of measured, every simplefsdp row",
     ], names
     assert all(isinstance(t["met"], bool) and t["ratio"] >= 0 for t in document["targets"])
-    table = (tmp_path / "scoreboard.md").read_text()
+    record = (tmp_path / "scoreboard.md").read_text()
+    # the record opens with its run (command, commit, host, date); stdout shows the table after it
+    assert record.startswith("# Scoreboard\n\n- command: `python bench/scoreboard.py --tiny"), record[:200]
+    table = record.partition("\n- files: ")[2].split("\n\n", 1)[1]
     assert all(f"| {row['label']} |" in table for row in rows.values())
     assert "| vs FSDP2 eager | vs FSDP2 + compile | vs torch's passes |" in table
     assert f"Host speed: a {host['matmul_n']}^3 matmul took" in table
+    assert table
     assert table in done.stdout
     assert (tmp_path / "scoreboard.png").read_bytes().startswith(b"\x89PNG")

@@ -1,7 +1,7 @@
 """Benchmark the bucket copy ops: GB/s against FSDP2's eager ops, inductor's cat + cast, and plain copy.
 
-    python bench/kernels.py            # needs a CUDA GPU; says so and exits 0 without one
-    python bench/kernels.py --cpu      # the CPU implementations (torch ops), a dim-1024 block by default
+    python bench/copy_kernels.py            # needs a CUDA GPU; says so and exits 0 without one
+    python bench/copy_kernels.py --cpu      # the CPU implementations (torch ops), a dim-1024 block by default
 
 Shapes: the parameters of one Llama-3-8B block (dim 4096, 32 heads, 8 KV heads, ffn 14336), fp32
 masters, sharded over `--world` ranks (default 8). For each op, bytes moved = bytes read + bytes
@@ -166,7 +166,7 @@ def main() -> int:
     parser.add_argument("--dim", type=int, help="model dim of the block (default: 4096 on a GPU, 1024 with --cpu)")
     args = parser.parse_args()
     if not torch.cuda.is_available() and not args.cpu:
-        print("bench/kernels.py needs a CUDA GPU (it measures GPU memory bandwidth); none here, nothing run.")
+        print("bench/copy_kernels.py needs a CUDA GPU (it measures GPU memory bandwidth); none here, nothing run.")
         print("(`--cpu` measures the CPU implementations of the same ops instead.)")
         return 0
     if args.cpu:
