@@ -63,11 +63,9 @@ _TAGS = (torch.Tag.cudagraph_unsafe, torch.Tag.pt2_compliant_tag)
 
 # [Note: registered on the library, not with custom_op]
 # `torch.library.custom_op` would register these ops in one decorator, but every call then passes a
-# Python autograd kernel and a redispatch before the implementation runs: measured on the 2-core
-# development host (one thread, a 9-tensor bucket, fastest of 7 rounds), 25-95 us more per call
-# than the same function registered below, as much as the copy itself for small buckets -- and a
-# compiled step calls these ops two or three times per bucket. (Over 2 gloo ranks sharing those 2
-# cores, calibration's copy-call fit barely moved: contention dominates per-call costs there.)
+# Python autograd kernel and a redispatch before the implementation runs: tens of microseconds more
+# per call than the same function registered below, as much as the copy itself for small buckets
+# (bench/results/measurements.md, "copy ops") -- and a compiled step calls these ops two or three times per bucket.
 # They only ever run inside compiled graphs, on tensors that need no gradient, so they are defined
 # on a `torch.library.Library` with one `CompositeExplicitAutograd` kernel (every device; the device
 # choice is [Note: kernel selection]) and a fake kernel, and no autograd formula: called on an input

@@ -8,11 +8,10 @@ all-reduces the clone, and copies this rank's chunk out (read off its allocation
 `staging["reduce_scatter"]` is about 1.0, `staging["all_reduce"]` 0). The bucket's input is a buffer
 the pass made for this one collective (`reduce_scatter_copy_in`) and nothing reads after it, so on
 gloo the pass all-reduces that buffer in place (`all_reduce_`) and copies this rank's slot out:
-the same communication without the clone. Measured on the 2-core development host (2 ranks, fp32):
-the clone's world x N bytes gone from the launch, where the backward's peak sits; 15 MiB buckets
-17.3 ms instead of 19.6, 60 MiB 75.5 instead of 106.4 (1 MiB: 1.28 vs 1.18 ms, within noise).
-Results are bitwise those of the reduce-scatter: checked on 2 and 4 gloo ranks at several sizes,
-and the training tests compare the pass's results with the unbucketed graph's on gloo.
+the same communication without the clone: the clone's world x N bytes are gone from the launch,
+where the backward's peak sits, and large buckets reduce faster (bench/results/measurements.md, "gloo reduce-scatter").
+Results are bitwise those of the reduce-scatter; the training tests compare the pass's results with
+the unbucketed graph's on gloo.
 
 Other backends keep the reduce-scatter (NCCL's moves half the bytes of an all-reduce). A dry run
 has no real backend (its process group is the fake one): it issues what the device profile it

@@ -239,10 +239,9 @@ def _collector_paused() -> Iterator[None]:
     The pass allocates tens of thousands of small containers (tuples, lists, dicts of nodes) that
     all live until it returns; every few hundred of them trigger a collection, and now and then a
     full one, which traverses every object of the compile -- graphs, fake tensors, guards -- to free
-    next to nothing. Measured in a compile of a 64-block model (`bench/compile_time.py`'s setting,
-    2026-12-02): 2.1 million objects tracked when the backward's pass began; with the collector on,
-    that pass took 3.55 s, 2.25 s of it one full collection; paused, 1.10 s. Garbage made meanwhile
-    is collected later, as usual. torch's distributed state-dict helpers pause it for the same reason.
+    next to nothing: in a 64-block model's compile, paused, the backward's pass takes a third of the
+    time (bench/results/measurements.md, "the collector paused"). Garbage made meanwhile is
+    collected later, as usual. torch's distributed state-dict helpers pause it for the same reason.
     """
     enabled = gc.isenabled()
     gc.disable()

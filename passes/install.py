@@ -48,7 +48,7 @@ Consequences:
   the config is already fixed by the time Dynamo reaches the model; the wrapper then does
   nothing, and `compile_scope(model)` around the compiled call is the way to apply the pass. Without it,
   the first such trace warns once (`_inactive_check`): the graphs compile with no bucketing and no
-  reordering, which is correct but slow, and was silent.
+  reordering, which is correct but slow.
 """
 
 from __future__ import annotations
@@ -276,11 +276,9 @@ def _on_the_cpu(model: nn.Module) -> bool:
     until then costs nothing. That estimate counts the graph's buffers only. gloo's staging copy of
     a collective's buffer (a reduce-scatter copies its whole input bucket before reducing it, see
     `DeviceProfile.staging` in `passes/cost.py`) is outside it, and that copy is often the step's
-    peak. Measured on 2 gloo ranks (the scoreboard's 8-block model, SHARD_GRAD_OP, 2026-12-05): at the
-    launch of the backward's first reduction, the step's peak, 9.1 MiB of that bucket's gradient
-    buffers were still held, kept for the next blocks' gradients of the same sizes -- 104.5 MiB per
-    rank at the peak (88.4 MiB under the default plan); with reuse off, 95.8 MiB (83.8 MiB), what
-    the liveness walk predicts (95.4 and 83.5 MiB: it frees every buffer at its last use). So a
+    peak: at the launch of the backward's first reduction, gradient buffers kept for later blocks'
+    gradients of the same sizes raise the peak above what the liveness walk predicts (it frees every
+    buffer at its last use); with reuse off the two agree (bench/results/measurements.md, "buffer reuse"). So a
     wrapped model on the CPU compiles with `allow_buffer_reuse=False`, and glibc serves the
     allocations instead (freed memory kept for the next, `simplefsdp/cpu_memory.py`). On a GPU,
     where NCCL stages nothing in PyTorch's allocator, reuse stays on (not measured there with NCCL

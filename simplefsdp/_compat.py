@@ -1,10 +1,10 @@
 """Every private torch API simplefsdp touches, reached through this one file.
 
 A torch upgrade that moves one of these breaks this file and nothing else. Each entry names the
-torch versions it was checked on: 2.13 is what the CPU development machines carry and every entry
-runs there in the test suite; 2.11 (the GPU machines' version) was first read, see [Note: torch 2.11
-review], and has since been run: the whole CPU suite on torch 2.11.0+cu130 (Triton 3.6.0, NumPy
-2.3.5; 2026-12-05), which found what [Note: torch 2.11 folds is_exporting] works around.
+torch versions it was checked on: 2.13, which CI runs, so every entry runs in the test suite there;
+2.11, read against its source ([Note: torch 2.11 review]) and run with the whole CPU suite on
+torch 2.11.0+cu130 (bench/results/compat_runs.md), which found what [Note: torch 2.11 folds
+is_exporting] works around.
 
 [Note: torch 2.11 review]
 Every entry below read against the torch 2.11.0 wheel's Python source (2.11.0+cu130, downloaded and

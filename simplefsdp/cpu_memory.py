@@ -9,14 +9,11 @@ trim threshold (twice the mmap threshold). Either way the next step's buffer can
 and every 4 KiB page of it faults in on its first write -- in particular in the arenas of threads
 other than the main one (gloo's workers, the autograd engine's): 36 MiB of buffers allocated,
 written and freed on one worker thread faulted 3,800-4,300 pages into every later round under
-glibc's default, none when kept (`tests/simplefsdp/test_cpu_memory.py`). Measured on the 2-core
-development host (2 gloo ranks, the scoreboard's 8-block model alone in its processes, 10 steps
-each): 5,494 minor faults a step for simplefsdp's compiled step and 6,473 for FSDP2 eager; with
-freed memory kept, 425 and 310. The compiled step's median went from 220.5 to 187.2 ms (195.4 to
-186.5 ms in a second pair of runs; the faults land in the copy-in op, the clone gloo makes of a
-reduce-scatter's input and gloo's own copies, on the step's critical path); FSDP2 eager's did not
-move (279.6 and 286.8 ms). torch's FX bucketing, one large bucket per phase, went from 199.6 to
-169.8 ms (10,142 faults a step to 51).
+glibc's default, none when kept (`tests/simplefsdp/test_cpu_memory.py`). On 2 gloo ranks, keeping
+freed memory cuts a compiled step's minor faults about tenfold and its step time by a tenth or more
+(the faults land in the copy-in op, the clone gloo makes of a reduce-scatter's input and gloo's own
+copies, on the step's critical path), and leaves FSDP2 eager's step time where it was
+(bench/results/measurements.md, "freed memory kept").
 
 `keep_freed_memory` sets the trim threshold to 1 GiB and the mmap threshold to 32 MiB (the largest
 the dynamic threshold reaches): blocks under 32 MiB come from the heap, and up to 1 GiB of freed heap

@@ -18,17 +18,14 @@ freed, both inside `ProcessGroupGloo::runLoop`. Whatever else the stray write hi
 block can already hold something new) is not known; the abort is what was seen.
 
 Two collectives finish together only when both are in flight: a prefetched all-gather beside a
-pending reduce-scatter, or several small buckets. On the 2-core development host (2 ranks, 600 steps
-per run), a plan with small buckets (40-76 collectives a step) killed a rank in 6 of 8 runs; the
-per-block plan in none of 6 (two of 600 steps, four of 300) and no pass at all in none of 2 --
-rarer, not impossible, and FSDP2's eager prefetch is exposed the same way. With one worker thread
+pending reduce-scatter, or several small buckets: a plan with small buckets killed a rank in most
+runs of 600 steps, the per-block plan in none seen -- rarer, not impossible, and FSDP2's eager
+prefetch is exposed the same way (bench/results/measurements.md, "gloo's two workers race"). With one worker thread
 the race cannot happen: the collectives of a group run one after another, in the order every rank
 issued them (so no new deadlock), still asynchronously to the Python thread that launched them.
-With one worker, the same small-bucket plan ran 6 of 6 runs of 600 steps clean. What it costs is
-the overlap of collectives with each other: on the 2-core host (2 ranks, calibration's probe
-model, one run of 150 steps each) the small-bucket plan took 152 ms a step with one worker against
-106 ms with two, while the per-block plan, with one or two collectives in flight, took 62 against
-65 ms.
+With one worker, the same small-bucket plan ran every run clean. What it costs is the overlap of
+collectives with each other: a plan with many collectives in flight runs markedly slower, the
+per-block plan, with one or two in flight, as fast (same record).
 
 The fix belongs in torch (a lock, or an atomic status); until then a CPU job gets this backend from
 simplefsdp's launchers, and `wrap()` warns when it meets a gloo group with more than one worker.

@@ -38,7 +38,11 @@ from simplefsdp import cli
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 GUIDES = sorted((ROOT / "docs").glob("*.md"))
-RECORDS = sorted(p for p in (ROOT / "bench" / "results").glob("*.md") if p.name != "history.md")
+# measurements.md gathers the one-off measurements the code's notes cite: a date per section, below
+MEASUREMENTS = ROOT / "bench" / "results" / "measurements.md"
+RECORDS = sorted(
+    p for p in (ROOT / "bench" / "results").glob("*.md") if p.name not in ("history.md", MEASUREMENTS.name)
+)
 DOCS = [README, *GUIDES, ROOT / "bench" / "README.md"]
 LINKED = [*DOCS, *(ROOT / "bench" / "results").glob("*.md")]
 
@@ -275,6 +279,15 @@ def test_each_record_names_its_command_commit_host_and_date(path):
     assert re.fullmatch(r"`python bench/\S+\.py[^`]*`(, then `python bench/\S+\.py[^`]*`)?", fields["command"])
     assert re.match(r"[0-9a-f]{7,40}\b", fields["commit"]), fields["commit"]
     assert re.fullmatch(r"20\d\d-\d\d-\d\d", fields["date"]), fields["date"]
+
+
+def test_each_measurement_names_its_date_and_host():
+    sections = re.split(r"^## ", MEASUREMENTS.read_text(), flags=re.M)[1:]
+    assert sections, f"{_rel(MEASUREMENTS)} has no sections"
+    for section in sections:
+        title = section.splitlines()[0]
+        assert re.search(r"\b20\d\d-\d\d-\d\d\b", section), f"{title}: no date"
+        assert "- cited by:" in section, f"{title}: no note cites it"
 
 
 def _table(text: str, first_header: str) -> tuple[list[str], list[list[str]]]:

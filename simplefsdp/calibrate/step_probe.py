@@ -3,52 +3,37 @@
 [Note: what a collective costs a step]
 The other timings take each cost apart: a collective alone, its launch, its copy ops' calls, its
 wake-up after compute, compute beside it. A compiled training step pays something on top for each
-collective that none of them sees alone. Measured on the 2-core development host (2 gloo ranks),
-the scoreboard's eight simplefsdp rows ran 24 ms + 0.41 ms per collective longer than the profile
-predicted (27 to 224 collectives a step, least squares); `bench/inspect_validate.py`'s model, half
-as deep, 0.34 ms per collective. So calibration ends by measuring it in situ: one small
-Llama-style model (`PROBE`, not the benchmarks' models), wrapped FULL_SHARD and compiled five
-times -- without passes (one collective per parameter use, each waited right after its launch);
-with the default per-block buckets, not reordered (few collectives, each waited right after its
-launch) and reordered (the default plan: the same buckets, run behind compute); and with small
-buckets of about one feed-forward matrix each (`_small_cap`: several times as many collectives),
-not reordered and reordered -- each timed for whole steps (forward, loss, backward, AdamW step) and
-predicted by the schedule replay of `simplefsdp.inspect.schedule` on the graphs it compiled, with the
-profile fitted from every other timing. `fit.fit_step_probe` splits the error three ways by least
-squares: a part per collective (`step_collective_s`), a part per wait with no compute since its
-launch (`step_exposed_wait_s`) -- or, where those waits cost less than the collectives run behind
-compute, per collective run behind compute instead (`step_hidden_s`) -- and a part that grows with
-neither (time outside the compiled graphs, which grows with the model, not with the plan), left
-out: a plan cannot change it, and a different model would not share it.
+collective that none of them sees alone: over the scoreboard's rows, a fixed part plus a few tenths
+of a millisecond per collective (bench/results/measurements.md, "the step probe"). So calibration
+ends by measuring it in situ: one small Llama-style model (`PROBE`, not the benchmarks' models),
+wrapped FULL_SHARD and compiled five times -- without passes (one collective per parameter use, each
+waited right after its launch); with the default per-block buckets, not reordered (few collectives,
+each waited right after its launch) and reordered (the default plan: the same buckets, run behind
+compute); and with small buckets of about one feed-forward matrix each (`_small_cap`: several times
+as many collectives), not reordered and reordered -- each timed for whole steps (forward, loss,
+backward, AdamW step) and predicted by the schedule replay of `simplefsdp.inspect.schedule` on the
+graphs it compiled, with the profile fitted from every other timing. `fit.fit_step_probe` splits the
+error three ways by least squares: a part per collective (`step_collective_s`), a part per wait with
+no compute since its launch (`step_exposed_wait_s`) -- or, where those waits cost less than the
+collectives run behind compute, per collective run behind compute instead (`step_hidden_s`) -- and a
+part that grows with neither (time outside the compiled graphs, which grows with the model, not with
+the plan), left out: a plan cannot change it, and a different model would not share it.
 
-Why five plans, not three: with only the first three, the per-wait term rested on the second and
-third plans alone, which differ by 16 exposed waits, so a few milliseconds of noise between two such
-timings moved it by tenths of a millisecond. One 2-rank calibration of the three fitted 0.49 ms per
-collective and 0.02 ms per such wait, and its scoreboard run over-predicted the bucketed rows with
-many collectives by up to 29% (budget 0.05: 142 collectives, +89 ms). The two small-bucket plans
-differ by about 70 exposed waits at the same collectives. On the same host (2026-12-05) the five
-plans fitted 0.30 ms per collective and 0.17 ms per such wait, and that scoreboard run's predictions
-were all within 15% (budget 0.05: 1.01x); the first three of its plans alone fit 0.39 and 0.04 ms,
-which re-costed that row at 1.18x (the next run: 0.16 and 0.25 ms, again all ten within 15%). The
-split matters most where ranks outnumber cores: on 4 gloo ranks over 2 cores two calibrations fitted
-0.80 and 0.58 ms per wait right after a launch; one term per collective fitted to two plans had
-charged the default plan's overlapped collectives for the unbucketed plan's waits (2.0 ms each on 4
-ranks: +21-25% on `inspect_validate`'s 4-rank rows).
+Why five plans, not three: with only the first three, the per-wait term rests on the second and
+third plans alone, which differ by a dozen or so exposed waits, so a few milliseconds of noise
+between two such timings moves it by tenths of a millisecond, and the predictions of plans with
+many collectives follow it. The two small-bucket plans differ by about 70 exposed waits at the same
+collectives, which pins the term down. The split matters most where ranks outnumber cores: one term
+per collective, fitted to two plans, charges the default plan's overlapped collectives for the
+unbucketed plan's waits.
 
-Which way the middle term goes depends on the host. With gloo's two worker threads an exposed wait
-cost more (the numbers above); with one (below), the probe's reordered plans ran slower than their
-unreordered twins -- 56.2 against 50.0 ms and 117.3 against 103.7 (17 and 76 collectives, 2026-12-05)
--- where the rest of the profile had them 7.5 and 11.7 ms faster, and a per-wait term cannot go
-negative, so the fit charged 0.47 ms per collective and nothing for it: the scoreboard's rows whose
-collectives run behind compute came out 17-23% under their measured steps. The same five plans fit
-0.45 ms per collective and 0.42 ms per collective run behind compute.
-
-The small-bucket plans were withdrawn for a day (2026-12-05): on 2 gloo ranks they aborted a rank
-("malloc(): unaligned tcache chunk detected") in 6 of 8 runs of 600 steps. AddressSanitizer traced
-it to torch's gloo process group, not to the plans: its two worker threads race on a status string
-when two collectives finish at once, which many small collectives in flight make likely ([Note:
-torch's two gloo workers race] in `simplefsdp/gloo.py`). simplefsdp's CPU ranks now run gloo with
-one worker thread, and the five plans are back; the times above were taken with two workers.
+Which way the middle term goes depends on the host: where an exposed wait costs more than a
+collective run behind compute, the fit charges it per exposed wait (`step_exposed_wait_s`); where
+the reordered plans run slower than their unreordered twins although the rest of the profile has
+them faster (gloo with one worker thread, [Note: torch's two gloo workers race] in
+`simplefsdp/gloo.py`), a per-wait term would have to go negative, so the fit charges each
+collective run behind compute instead (`step_hidden_s`). The numbers of both cases are in
+bench/results/measurements.md ("the step probe").
 
 [Note: compute as compiled]
 Before the five plans, the same model is compiled without sharding (no collectives, no passes)
@@ -60,9 +45,9 @@ terms fitted from them are what is left once compute is charged what it really t
 [Note: the quick probes skip inductor]
 `--quick` (and the scoreboard's `--tiny`) exists to check the pipeline in seconds, not to plan with:
 its probe model (`PROBE_QUICK`, dim 32) is too small for its step times to say much about a real
-model's. Compiled with inductor, its six forward-backward pairs (the compute probe and five plans) took 60 of
-a quick calibration's 69 s on the 2-core host (2026-12-05), nearly all of it inductor generating and
-building kernels. So a quick run compiles them with `simplefsdp_aot_eager` (the same partitioned
+model's. Compiled with inductor, its six forward-backward pairs (the compute probe and five plans)
+would take nearly all of a quick calibration's time, inductor generating and building kernels.
+So a quick run compiles them with `simplefsdp_aot_eager` (the same partitioned
 graphs and post-grad passes, ours included, run op by op): the probes, their schedules and the fits
 run as in a full run, but what they time is uncompiled compute, so a quick profile's
 `compute_scale` and step terms describe that, not inductor's code. Plan with a full calibration.

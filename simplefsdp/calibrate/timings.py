@@ -139,13 +139,12 @@ def _sync(device: torch.device) -> None:
 # [Note: paired timings]
 # The overlap and wake-up numbers are differences of timings (both at once minus each alone), a few
 # milliseconds out of tens. Timed as separate medians one after the other, a change in the host's
-# load between them lands in the difference whole: four calibrations within minutes on the 2-core
-# development host fitted overlap shares of 0.0, 0.65, 0.35 and 0.09 and wake-ups of 0.07-1.7 ms,
-# which moved one configuration's predicted step from 92 to 120 ms. So the timings a difference
+# load between them lands in the difference whole: calibrations minutes apart can fit overlap shares
+# anywhere from 0 to 0.65 (bench/results/measurements.md, "paired timings"). So the timings a difference
 # is taken of run interleaved, one round of each per repeat, and the difference is taken within
 # each round, then the median over the rounds: a load change between rounds cancels. A single
-# round is still noisy there (a 30 ms matmul loop took 23-46 ms, and one round's overlap share
-# ranged from below 0 to 0.88 within one measurement), so these take more rounds than the other
+# round is still noisy on a shared host (one round's overlap share can fall below 0 or near 1), so
+# these take more rounds than the other
 # timings (`_Plan.paired_repeats`; each round is tens of milliseconds).
 def _paired_s(fns: Sequence[Callable[[], object]], device: torch.device, repeats: int) -> list[tuple[float, ...]]:
     """Per repeat, the seconds of each of `fns` in turn (each behind a barrier): one row per round."""
@@ -183,9 +182,10 @@ def _collective(kind: str, full_bytes: int, device: torch.device) -> Callable[[]
 
 
 # [Note: timing on a busy machine]
-# A collective's median over a few repeats can still be swamped by the scheduler: on a 2-core host
-# running other work, a 16 KiB all-gather has been seen to take 3.7 ms and a 4 MiB one 3.3 ms, and a
-# line through such points falls with the size, which no bandwidth explains. The sizes of one kind
+# A collective's median over a few repeats can still be swamped by the scheduler: on a host running
+# other work, a small all-gather can take longer than one a hundred times its size
+# (bench/results/measurements.md, "timing on a busy machine"), and a line through such points falls
+# with the size, which no bandwidth explains. The sizes of one kind
 # are therefore timed together and agreed over the ranks, and timed again (up to `_ATTEMPTS` times
 # in all) while the fit through them has no positive slope. Every rank sees the same agreed times,
 # so every rank takes the same decision and the collectives stay matched. Times that still do not
@@ -419,13 +419,11 @@ def _optimizers(device: torch.device, plan: _Plan) -> dict[str, list[tuple[int, 
 
 # [Note: timing compiled compute]
 # The compiled compute probe sets `compute_scale`, which every prediction of a step multiplies its
-# compute by, so one bad timing of it moves them all: in one scoreboard run on the 2-core host
-# (2026-12-05) it came out at 19.9 ms, where a calibration minutes later and the runs before timed
-# 11.5-12.1 ms; that run's predictions were all 1.25-1.36x over, and the same profile with the
-# other run's scale put all ten within 0.97-1.06x. The ranks finish compiling the probe at
-# different times, and each used to time it at once, possibly while the other still compiled on
-# the same cores; it is one forward and backward of about 12 ms, so nine repeats span a tenth of a
-# second. Now the ranks meet at a barrier first, and the median is over three times the repeats.
+# compute by, so one bad timing of it moves them all (bench/results/measurements.md, "timing compiled compute"). The
+# ranks finish compiling the probe at different times; a rank that timed it at once could time it
+# while another still compiles on the same cores, and it is one forward and backward of about 12 ms,
+# so a few repeats span a tenth of a second. So the ranks meet at a barrier first, and the median is
+# over three times the usual repeats.
 
 
 def _agree(values: list[float], device: torch.device) -> list[float]:
