@@ -21,6 +21,7 @@ from simplefsdp.passes.fsdp_pass import BucketConfig, FsdpPass, PassConfig
 from simplefsdp.passes.install import pass_of
 from simplefsdp.passes.reorder import ReorderConfig
 
+# inductor's post-grad graphs, ours included, without its code generation: what these tests read
 AOT_EAGER = "simplefsdp_aot_eager"
 ARGS = TransformerArgs(vocab_size=67, dim=32, n_layers=2, n_heads=4, ffn_dim=88, max_seq_len=16)
 N_PARAMS = len(list(Transformer(ARGS).parameters()))
@@ -80,7 +81,7 @@ def test_collectives_carry_their_parameter_name(fake_world8):
     mesh = init_device_mesh("cpu", (8,))
     model = simplefsdp.wrap(Transformer(ARGS), mesh, passes=None)
     tokens = torch.randint(0, ARGS.vocab_size, (2, 8))
-    forward, backward = record_step(model, lambda compiled: compiled(tokens).sum()).post
+    forward, backward = record_step(model, lambda compiled: compiled(tokens).sum(), backend=AOT_EAGER).post
     names = [fqn for fqn, _ in Transformer(ARGS).named_parameters()]
     assert [g.owner for g in find_fsdp_all_gathers(forward)] == names, "forward gathers in parameter order"
     assert sorted(r.owner for r in find_fsdp_reductions(backward)) == sorted(names)
@@ -95,7 +96,7 @@ def test_bad_bucket_config():
 
 @pytest.mark.slow
 def test_tiny_cap_changes_nothing(fake_world8):
-    forward, backward = _bucketed_graphs("FULL_SHARD", BucketConfig(plan="cap", cap_bytes=1))
+    forward, backward = _bucketed_graphs("FULL_SHARD", BucketConfig(plan="cap", cap_bytes=1), backend=AOT_EAGER)
     assert len(find_fsdp_all_gathers(forward)) == N_PARAMS
     assert len(find_fsdp_reductions(backward)) == N_PARAMS
 
@@ -133,7 +134,7 @@ def test_passes_off_leave_one_collective_per_parameter(fake_world8):
     mesh = init_device_mesh("cpu", (8,))
     model = simplefsdp.wrap(Transformer(ARGS), mesh, passes=None)
     tokens = torch.randint(0, ARGS.vocab_size, (2, 8))
-    forward, backward = record_step(model, lambda compiled: compiled(tokens).sum()).post
+    forward, backward = record_step(model, lambda compiled: compiled(tokens).sum(), backend=AOT_EAGER).post
     assert pass_of(model) is None
     assert collective_counts(forward)["all_gather"] == N_PARAMS
     assert collective_counts(backward)["reduce_scatter"] == N_PARAMS
@@ -227,9 +228,9 @@ def test_prefetch_depth_and_memory_budget(fake_world8):
     from simplefsdp.passes.collectives import is_all_gather, is_reduce_scatter
 
     n = L8.n_layers + 2  # gathers forward, reductions backward: the blocks and the rest's two runs
-    (forward, _), _ = _reordered_graphs(fake_world8, ReorderConfig(prefetch_depth=2))
+    (forward, _), _ = _reordered_graphs(fake_world8, ReorderConfig(prefetch_depth=2), backend=AOT_EAGER)
     assert _launch_wait_order(forward, is_all_gather)[:4] == ["L0", "L1", "L2", "W"]
-    (forward, backward), _ = _reordered_graphs(fake_world8, ReorderConfig(max_in_flight_bytes=1))
+    (forward, backward), _ = _reordered_graphs(fake_world8, ReorderConfig(max_in_flight_bytes=1), backend=AOT_EAGER)
     assert _launch_wait_order(forward, is_all_gather) == [x for i in range(n) for x in (f"L{i}", "W")]
     assert _launch_wait_order(backward, is_reduce_scatter) == [x for i in range(n) for x in (f"L{i}", "W")]
     with pytest.raises(ValueError, match="prefetch_depth must be >= 0"):

@@ -106,7 +106,10 @@ def _as_rank(rank: int, case: Case) -> RankResult:
         bucket = BucketConfig(blocks=blocks) if case.plan == "blocks" else BucketConfig(plan="auto", device="h100")
         graph_pass = FsdpPass(PassConfig(bucket=bucket))
         tokens = torch.randint(0, case.args.vocab_size, (2, 8))
-        graphs = record_step(model, lambda compiled: compiled(tokens).sum(), graph_pass=graph_pass)
+        # inductor's post-grad graphs, the pass's output, without its code generation
+        graphs = record_step(
+            model, lambda compiled: compiled(tokens).sum(), graph_pass=graph_pass, backend="simplefsdp_aot_eager"
+        )
         return RankResult(
             input_shapes=_input_shapes(graphs.forward),
             sequences=[_sequence(g) for g in graphs.post],
