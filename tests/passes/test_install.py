@@ -244,8 +244,8 @@ def test_a_sequential_root_compiles_as_one_graph(fake_world8):
 
 def test_compiled_inside_a_larger_function_warns_unless_active(fake_world8):
     """A wrapped model traced inside `torch.compile(fn)` gets no passes unless `compile_scope(model)` is
-    around the call: that used to be silent; now the first trace warns (once), and with `compile_scope`
-    the pass runs and nothing warns."""
+    around the call: the first such trace warns (once), and with `compile_scope` the pass runs and
+    nothing warns."""
     import warnings
 
     import torch
