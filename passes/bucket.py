@@ -222,6 +222,12 @@ def _merge_all_gathers(graph: fx.Graph, members: list[FsdpAllGather]) -> tuple[l
     chunks = [math.prod(_shape(x)) for x in sent]
     dtype = sent[0].meta["val"].dtype
     chains = [_unprepared(x, pad_ok=_is_dim0_tail_pad) for x in sent]  # copy-in pads each to its chunk
+    # an offloaded member's shard reaches the copy-in through its host copy, which reads a graph
+    # input only: it moves ahead of the merged copy-in (the reorder pass places it after)
+    for member in members:
+        for node in member.host_copy:
+            if node > members[0].launch:
+                members[0].launch.prepend(node)
     with graph.inserting_before(members[0].launch):
         shards = [_contiguous(graph, src) for src, _ in chains]  # the copy-in reads them flat
         buffer = _call(graph, ALL_GATHER_COPY_IN, shards, chunks, dtype, world, rank)

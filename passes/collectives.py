@@ -29,6 +29,7 @@ from torch import fx
 from simplefsdp._compat import OpOverload, OpOverloadPacket, c10d_functional, resolve_process_group
 from simplefsdp.gather import OWNER_KEY
 from simplefsdp.kernels.copy_ops import ALL_GATHER_COPY_IN, ALL_GATHER_COPY_OUT, REDUCE_SCATTER_COPY_IN
+from simplefsdp.kernels.host_copy import COPY_START, COPY_WAIT
 from simplefsdp.passes.walk import reaches
 
 __all__ = [
@@ -286,6 +287,9 @@ _PASSTHROUGH_TARGETS = {
     ALL_GATHER_COPY_IN,
     ALL_GATHER_COPY_OUT,
     REDUCE_SCATTER_COPY_IN,
+    # an offloaded shard's copy to the device and its gradient's copy back (kernels/host_copy.py)
+    COPY_START,
+    COPY_WAIT,
 }
 
 

@@ -2,7 +2,8 @@
 
 An FSDP all-gather is an `all_gather_into_tensor` whose input is a graph input (the sharded
 parameter) seen through at most a dtype cast and a zero pad (DTensor pads the smaller shards of
-an unevenly sharded parameter before gathering). An FSDP reduction is a `reduce_scatter_tensor`
+an unevenly sharded parameter before gathering), and for an offloaded parameter its copy from
+host memory (`kernels/host_copy.py`). An FSDP reduction is a `reduce_scatter_tensor`
 or `all_reduce` whose waited result reaches a graph output (the gradient) through views, casts,
 constant pads, copies and further reductions only (HYBRID chains an all-reduce and a reduce-scatter). Each is
 paired with its single `wait_tensor`. Everything else -- a user's own collectives,
@@ -26,6 +27,8 @@ from collections.abc import Collection
 
 from torch import fx
 
+from simplefsdp._compat import OpOverload
+from simplefsdp.kernels.host_copy import is_copy_wait
 from simplefsdp.passes.collectives import (
     Collective,
     find_collectives,
@@ -44,24 +47,49 @@ class FsdpAllGather(Collective):
     """An all-gather of one sharded parameter: `source` -> [prep ops] -> `launch` -> `wait`."""
 
     source: fx.Node  # the graph input holding this rank's shard
-    prep: tuple[fx.Node, ...]  # cast / pad nodes from `source` to the collective's input, in order
+    prep: tuple[fx.Node, ...]  # cast / pad nodes from `source` (or the host copy) to the collective's input, in order
+    # an offloaded shard: the nodes copying `source` to the device (views, copy start and wait), in order
+    host_copy: tuple[fx.Node, ...] = ()
 
 
-def _gathered_graph_input(node: fx.Node) -> tuple[fx.Node | None, tuple[fx.Node, ...]]:
-    """The placeholder `node` (an all-gather input) comes from through cast / pad ops, and those ops."""
+def _gathered_graph_input(node: fx.Node) -> tuple[fx.Node | None, tuple[fx.Node, ...], tuple[fx.Node, ...]]:
+    """The placeholder `node` (an all-gather input) comes from through cast / pad ops and, for an
+    offloaded shard, its host copy; those cast / pad ops and the host copy's nodes."""
     current, prep = node, []
     while is_cast_or_pad(current):
         prep.append(current)
         current = current.args[0]
-    return (current if current.op == "placeholder" else None), tuple(reversed(prep))
+    current, host_copy = _through_host_copy(current)
+    return (current if current.op == "placeholder" else None), tuple(reversed(prep)), host_copy
+
+
+def _through_host_copy(node: fx.Node) -> tuple[fx.Node, tuple[fx.Node, ...]]:
+    """What a host copy's wait `node` (seen through views: the shard's DTensor unwrapped and
+    rewrapped) copied, and the copy's nodes in order; `node` and () when it is no host copy."""
+    current, nodes = node, []
+    while _is_view(current):
+        nodes.append(current)
+        current = current.args[0]
+    if not is_copy_wait(current):
+        return node, ()
+    nodes += [current, current.args[0]]
+    current = current.args[1]
+    while _is_view(current):
+        nodes.append(current)
+        current = current.args[0]
+    return current, tuple(reversed(nodes))
+
+
+def _is_view(node: fx.Node) -> bool:
+    return node.op == "call_function" and isinstance(node.target, OpOverload) and node.target.is_view
 
 
 def find_fsdp_all_gathers(graph: fx.Graph, *, groups: Collection[tuple[int, ...]] | None = None) -> list[FsdpAllGather]:
     found = []
     for gather in find_collectives(graph, kinds=("all_gather",), groups=groups):
-        source, prep = _gathered_graph_input(gather.sent)
+        source, prep, host_copy = _gathered_graph_input(gather.sent)
         if source is not None and gather.wait is not None:
-            found.append(FsdpAllGather(**_fields(gather), source=source, prep=prep))
+            found.append(FsdpAllGather(**_fields(gather), source=source, prep=prep, host_copy=host_copy))
     return found
 
 

@@ -34,7 +34,8 @@ launching the one that would make the inputs of the reductions in flight exceed 
 budget (a collective's input stays alive until its wait). `ReorderConfig.max_in_flight_bytes=None`
 (the default) derives both from the graph: the gathers get `prefetch_depth` times the largest
 gathered bucket, the reductions the largest reduction's input -- so one reduction is in flight at a
-time unless two fit in that. A number gives each kind that many bytes.
+time unless two fit in that. A number gives each kind that many bytes. The copies of offloaded
+shards to and from host memory are placed last ([Note: where offload copies sit] in `host_copies.py`).
 `reorder()` then checks the result with the liveness walk (`liveness.py`): the graph's peak live
 bytes may grow by at most the allowance (`max_peak_growth_bytes` when set; else explicit:
 `max_in_flight_bytes`; derived: the two budgets' sum). If it grew more, the moves are undone and
@@ -68,6 +69,7 @@ from torch import fx
 from simplefsdp.kernels.copy_ops import ALL_GATHER_COPY_OUT
 from simplefsdp.passes.collectives import find_collectives, is_data_movement, is_slot_copy
 from simplefsdp.passes.detect import find_fsdp_reductions
+from simplefsdp.passes.host_copies import place_host_copies
 from simplefsdp.passes.liveness import Lifetimes, allocates, nbytes, not_alike
 from simplefsdp.passes.walk import upstream, walk
 
@@ -279,6 +281,8 @@ def reorder(
         moved += _place_reductions(reductions, budget=budgets[1], room=room)
         after = lifetimes.peak()
         if after <= before + allowance:
+            ordered = sorted(gathers, key=lambda g: min(g.consumers))
+            place_host_copies(graph, [[*g.chain, g.launch] for g in ordered])
             return ReorderResult(
                 moved=moved, peak_before=before, peak_after=after, allowance=allowance, budgets=budgets
             )

@@ -11,6 +11,7 @@ from simplefsdp.activation_checkpoint import checkpoint_blocks
 from simplefsdp.loss_scaling import grad_scaler, needs_loss_scaling
 from simplefsdp.materialize import materialize
 from simplefsdp.mixed_precision import MixedPrecisionPolicy
+from simplefsdp.offload import OffloadPolicy
 from simplefsdp.parametrize import sharded_parameters
 from simplefsdp.passes import aot_eager as _register_aot_eager_backend  # noqa: F401  (registers the backend)
 from simplefsdp.passes.fsdp_pass import BucketConfig, PassConfig
@@ -23,6 +24,7 @@ __all__ = [
     "AccelerateSettings",
     "BucketConfig",
     "MixedPrecisionPolicy",
+    "OffloadPolicy",
     "PassConfig",
     "ReorderConfig",
     "ShardingStrategy",

@@ -25,8 +25,8 @@ nobody would know. So each key falls in one of three groups, and nothing else is
 - noted: simplefsdp always does what it asks, or it does not apply to a compiled, per-parameter
   wrapper (`fsdp_sync_module_states`, `fsdp_use_orig_params`, ...); the result's `notes` says why,
   one line per key, and `from_accelerate` logs them;
-- refused: a value simplefsdp cannot honour (`fsdp_offload_params: true`, `LOCAL_STATE_DICT`,
-  `mixed_precision: fp8`) or a key it does not know: a `ValueError` naming the key and its value.
+- refused: a value simplefsdp cannot honour (`LOCAL_STATE_DICT`, `mixed_precision: fp8`) or a key
+  it does not know: a `ValueError` naming the key and its value.
 The launcher's keys of the document (`num_processes`, `main_process_ip`, ...) are for whatever
 starts the ranks (torchrun, `simplefsdp train`); they are listed in `launcher_keys`, not used.
 
@@ -48,6 +48,7 @@ from torch import nn
 from simplefsdp import loss_scaling
 from simplefsdp.class_swap import user_class
 from simplefsdp.mixed_precision import MixedPrecisionPolicy
+from simplefsdp.offload import OffloadPolicy
 from simplefsdp.passes.fsdp_pass import BucketConfig, PassConfig
 from simplefsdp.passes.reorder import ReorderConfig
 from simplefsdp.strategy import ShardingStrategy
@@ -122,6 +123,7 @@ class AccelerateSettings:
     layer_classes: tuple[str, ...] = ()
     blocks: tuple[str, ...] | None = None
     activation_checkpointing: bool = False
+    offload: OffloadPolicy | None = None  # `fsdp_offload_params: true`: everything in host memory
     state_dict: Literal["full", "sharded"] = "full"
     notes: tuple[str, ...] = ()
     launcher_keys: tuple[str, ...] = ()
@@ -140,6 +142,7 @@ class AccelerateSettings:
             "strategy": self.strategy,
             "mp_policy": self.mp_policy,
             "passes": PassConfig(bucket=bucket, reorder=self.reorder),
+            "offload": self.offload,
         }
 
     @property
@@ -303,8 +306,9 @@ def _fsdp_section(fsdp: Mapping[str, Any], notes: list[str]) -> dict[str, Any]:
     unknown = sorted(set(fsdp) - mapped - set(_NOTED))
     if unknown:
         raise ValueError(f"unknown Accelerate FSDP settings {unknown}")
-    if _bool("fsdp_offload_params", fsdp.get("fsdp_offload_params", False)):
-        raise ValueError("fsdp_offload_params: true cannot be honoured: simplefsdp has no CPU offload yet")
+    # FSDP's CPUOffload(offload_params=True) / FSDP2's CPUOffloadPolicy: parameters, gradients and
+    # optimizer state in host memory, the optimizer stepping there
+    offload = OffloadPolicy() if _bool("fsdp_offload_params", fsdp.get("fsdp_offload_params", False)) else None
     strategy = _strategy("fsdp_sharding_strategy", fsdp.get("fsdp_sharding_strategy", 1))
     reshard = fsdp.get("fsdp_reshard_after_forward")
     if isinstance(reshard, bool) or (isinstance(reshard, str) and reshard.lower() in ("true", "false")):
@@ -333,6 +337,7 @@ def _fsdp_section(fsdp: Mapping[str, Any], notes: list[str]) -> dict[str, Any]:
             "fsdp_activation_checkpointing", fsdp.get("fsdp_activation_checkpointing", False)
         ),
         "state_dict": _STATE_DICTS[state_dict],
+        "offload": offload,
     }
 
 

@@ -4,7 +4,8 @@
 `parametrize.py`) and says, in order, what one access does:
 
 1. a tied parameter already gathered in this forward of the wrapped root: reuse that value (`tied.py`);
-2. gather over the data-parallel mesh (a tensor-parallel parameter: over dp only, then re-read as
+2. gather over the data-parallel mesh (an offloaded shard: copied to the device first, `offload.py`;
+   a tensor-parallel parameter: over dp only, then re-read as
    the TP DTensor its module expects, `tensor_parallel.py`) -- inside `no_sync`, from a detached
    shard, the gradient tapped into a sink instead of reduced; after it, with the deferred sum
    added to the gradient (`accumulate.py`, and the note below);
@@ -64,6 +65,7 @@ from torch.utils.checkpoint import checkpoint
 
 from simplefsdp import accumulate, tied
 from simplefsdp.accumulate import Accumulation
+from simplefsdp.offload import HostShard, to_device
 from simplefsdp.tensor_parallel import TensorParallelLayout
 
 __all__ = ["OWNER_KEY", "GatherSpec", "gather_full", "reduce_deferred"]
@@ -94,6 +96,9 @@ class GatherSpec:
     # a tensor-parallel parameter: gathered over the dp mesh into the TP DTensor its module computes
     # with (see `tensor_parallel.py`); None for a plain parameter
     tp: TensorParallelLayout | None = dataclasses.field(default=None, compare=False)
+    # an offloaded parameter: its shard lives in host memory and is copied to the device per gather
+    # (see `offload.py`); None for a shard on the device
+    host: HostShard | None = None
 
     @property
     def full_placements(self) -> tuple[Placement, ...]:
@@ -182,6 +187,8 @@ def _tagged_redistribute(param: DTensor, spec: GatherSpec, pending: torch.Tensor
 def _redistribute(param: DTensor, spec: GatherSpec, pending: torch.Tensor | None) -> torch.Tensor:
     if pending is not None:
         return _adding(lambda wide: _redistribute(param, wide, None), param, spec, pending)
+    if spec.host is not None:
+        param = to_device(param, spec.host)
     full = param.redistribute(
         placements=spec.full_placements,
         forward_dtype=spec.param_dtype,

@@ -32,6 +32,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.overrides import TorchFunctionMode
 
 from simplefsdp.class_swap import user_class
+from simplefsdp.offload import move_offloaded_to_host
 from simplefsdp.parametrize import sharded_parameters
 
 __all__ = ["materialize"]
@@ -153,6 +154,7 @@ def materialize(
         with replay:
             (init or reset_in_construction_order)(model)
         replay.flush()
+    move_offloaded_to_host(model)
     unset = [fqn for fqn, t in tensors.items() if id(t) not in replay.written]
     if unset:
         raise ValueError(

@@ -31,7 +31,7 @@ from simplefsdp.cached_params import gathered_attributes
 from simplefsdp.class_swap import subclass, user_class
 from simplefsdp.gather import GatherSpec, gather_full
 
-__all__ = ["gather_on_access", "gather_specs", "is_wrapped_module", "sharded_parameters"]
+__all__ = ["gather_on_access", "gather_specs", "gather_specs_by_parameter", "is_wrapped_module", "sharded_parameters"]
 
 _SPECS_ATTR = "_simplefsdp_gather_specs"
 _ORIGINAL_CLASS_ATTR = "_simplefsdp_unsharded_class"
@@ -74,6 +74,16 @@ def gather_specs(model: nn.Module) -> list[GatherSpec]:
     """The gather specs of every sharded parameter `model` holds (a tied one once per holder), in
     module order; empty for a model `wrap()` did not shard."""
     return [spec for module in model.modules() for spec in getattr(module, _SPECS_ATTR, {}).values()]
+
+
+def gather_specs_by_parameter(model: nn.Module) -> list[tuple[nn.Parameter, GatherSpec]]:
+    """Each sharded parameter of `model` once (a tied one with its first holder's spec), with its spec."""
+    seen: dict[int, tuple[nn.Parameter, GatherSpec]] = {}
+    for module in model.modules():
+        for name, spec in getattr(module, _SPECS_ATTR, {}).items():
+            param = module._parameters[name]
+            seen.setdefault(id(param), (param, spec))
+    return list(seen.values())
 
 
 @contextlib.contextmanager

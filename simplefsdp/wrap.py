@@ -22,6 +22,7 @@ from simplefsdp.class_swap import user_class
 from simplefsdp.gather import GatherSpec, ReduceOp, reduce_deferred
 from simplefsdp.mesh import resolve_mesh
 from simplefsdp.mixed_precision import MixedPrecisionPolicy
+from simplefsdp.offload import HostShard, OffloadPolicy, host_device_of, on_host
 from simplefsdp.parametrize import gather_on_access, is_wrapped_module
 from simplefsdp.passes.fsdp_pass import FsdpPass, PassConfig
 from simplefsdp.passes.install import attach_pass
@@ -47,6 +48,7 @@ def wrap(
     reshard_after_forward: bool | None = None,
     reduce_op: ReduceOp = "avg",
     passes: PassConfig | None = PassConfig(),
+    offload: OffloadPolicy | None = None,
 ) -> nn.Module:
     """Shard `model`'s floating-point parameters over `mesh`, in place, and return `model`.
 
@@ -64,6 +66,8 @@ def wrap(
         reduce_op: `"avg"` (default, what DDP and FSDP2 do) or `"sum"` over the data-parallel ranks.
         passes: what `torch.compile(model)` does to the collectives (bucketing, reordering; see
             `simplefsdp.passes`); the default buckets per repeated block, `None` turns the passes off.
+        offload: what lives in host memory (`offload.py`): `OffloadPolicy()` keeps the sharded
+            masters, their gradients and the optimizer state there; `None` keeps all on the device.
 
     After the call, for every floating-point parameter: `named_parameters()` and `state_dict()`
     yield it under its original name as an `nn.Parameter` holding a DTensor with the strategy's
@@ -85,6 +89,7 @@ def wrap(
         reshard_after_forward=reshard_after_forward,
         reduce_op=reduce_op,
         passes=passes,
+        offload=offload,
     )
     params = _floating_params(model)
     mesh = _check_model(model, params, mesh, strategy, passes=passes)
@@ -97,6 +102,7 @@ def wrap(
         reshard_after_forward=reshard,
         accumulation=Accumulation(),
         wrap_id=next(_WRAP_IDS),
+        host=_host_shard(offload, mesh),
     )
     warn_about_cached_references(model)
     warn_about_eager_modules(model)
@@ -149,6 +155,7 @@ def _check_arguments(
     reshard_after_forward: bool | None,
     reduce_op: str,
     passes: PassConfig | None,
+    offload: OffloadPolicy | None,
 ) -> tuple[ShardingStrategy, MixedPrecisionPolicy]:
     """The arguments' types and values; returns the strategy and the mixed-precision policy (the
     default one for None)."""
@@ -167,7 +174,18 @@ def _check_arguments(
         raise TypeError(f"mp_policy must be a simplefsdp.MixedPrecisionPolicy, got {type(mp_policy).__name__}")
     if passes is not None and not isinstance(passes, PassConfig):
         raise TypeError(f"passes must be a simplefsdp.PassConfig or None, got {type(passes).__name__}")
+    if offload is not None:
+        if not isinstance(offload, OffloadPolicy):
+            raise TypeError(f"offload must be a simplefsdp.OffloadPolicy or None, got {type(offload).__name__}")
+        offload.check_supported()
     return strategy, mp_policy
+
+
+def _host_shard(offload: OffloadPolicy | None, mesh: DeviceMesh) -> HostShard | None:
+    """How gathers reach offloaded shards on `mesh`; None when parameters stay on the device."""
+    if offload is None or not offload.parameters:
+        return None
+    return HostShard(device=host_device_of(mesh.device_type), pin_memory=offload.pin_memory)
 
 
 def _check_model(
@@ -244,6 +262,7 @@ class _Settings:
     reshard_after_forward: bool
     accumulation: Accumulation
     wrap_id: int  # tells apart the tied parameters of different wrapped models
+    host: HostShard | None  # parameters offloaded to host memory: how gathers reach them
 
 
 def _shard_parameters(model: nn.Module, params: dict[str, nn.Parameter], settings: _Settings) -> bool:
@@ -293,6 +312,7 @@ def _spec(
         tied_key=tied_key,
         accumulation=settings.accumulation,
         tp=layout,
+        host=settings.host,
     )
 
 
@@ -312,6 +332,8 @@ def _shard(param: nn.Parameter, settings: _Settings, *, fqn: str) -> tuple[nn.Pa
     else:
         value = distribute_tensor(param.detach(), mesh, placements, src_data_rank=source)
     value = value.to(settings.mp_policy.master_dtype(param.dtype))
+    if settings.host is not None:
+        value = on_host(value, pin_memory=settings.host.pin_memory)
     sharded = nn.Parameter(value, requires_grad=param.requires_grad)
     sharded.__dict__.update(param.__dict__)  # keep user tags such as `_no_weight_decay`
     return sharded, layout

@@ -83,6 +83,11 @@ class TrainConfig:
         "cost-model device profile: a name or a `simplefsdp calibrate` file (auto plan, comm line); auto: by device",
     )
     activation_checkpoint: str = _field("none", "checkpoint every block", ("none", "full", "selective"))
+    offload: str = _field(
+        "none",
+        "host memory holds nothing, or all: parameters, gradients, optimizer state (the optimizer steps there)",
+        ("none", "all"),
+    )
     # checkpoints and output
     checkpoint_dir: str = _field("simplefsdp-checkpoints", "where sharded checkpoints go")
     checkpoint_every: int = _field(50, "save every N steps (and at the end); 0: only at the end")
@@ -236,6 +241,8 @@ def load_accelerate(path: str | Path) -> dict[str, Any]:
         settings["layer_classes"] = ",".join(accel.layer_classes)
     if accel.activation_checkpointing:
         settings["activation_checkpoint"] = "full"
+    if accel.offload is not None:
+        settings["offload"] = "all"
     if accel.state_dict == "full":
         logger.info(
             "%s: FULL_STATE_DICT: checkpoints stay sharded (for --resume); --export-dir writes full weights", path

@@ -53,6 +53,7 @@ from torch import nn
 from simplefsdp import checkpoint
 from simplefsdp.checkpoint.full_source import FullStateSource
 from simplefsdp.class_swap import user_class
+from simplefsdp.offload import move_offloaded_to_host
 from simplefsdp.train.config import ConfigError
 from simplefsdp.train.data import CORPUS, VOCAB, encode
 
@@ -215,9 +216,11 @@ def retie(model: nn.Module) -> None:
 
 
 def allocate_shards(model: nn.Module, device: torch.device) -> None:
-    """Uninitialised storage on `device` for the wrapped `model`'s meta shards; buffers keep their values."""
+    """Uninitialised storage on `device` for the wrapped `model`'s meta shards (offloaded ones in host
+    memory); buffers keep their values."""
     buffers = {name: b.clone() for name, b in model.named_buffers()}
     model.to_empty(device=device)
+    move_offloaded_to_host(model)
     with torch.no_grad():
         for name, b in model.named_buffers():
             b.copy_(buffers[name])

@@ -48,14 +48,16 @@ def mesh(strategy: str, shape: tuple[int, ...] | None = None) -> DeviceMesh:
 
 
 def build(
-    strategy: str, shape: tuple[int, ...] | None = None, *, tp: int = 1
+    strategy: str, shape: tuple[int, ...] | None = None, *, tp: int = 1, offload: bool = False
 ) -> tuple[Transformer, torch.optim.Optimizer]:
-    """The model, wrapped; with `tp` > 1 first tensor-parallel on a (world / tp, tp) mesh `(dp, tp)`."""
+    """The model, wrapped (`offload`: with `OffloadPolicy()`); with `tp` > 1 first tensor-parallel on
+    a (world / tp, tp) mesh `(dp, tp)`."""
     torch.manual_seed(0)
     random.seed(0)
     model = Transformer(training.ARGS)
     if tp == 1:
-        simplefsdp.wrap(model, mesh(strategy, shape), strategy=strategy)
+        policy = simplefsdp.OffloadPolicy() if offload else None
+        simplefsdp.wrap(model, mesh(strategy, shape), strategy=strategy, offload=policy)
     else:
         world = init_device_mesh("cpu", (dist.get_world_size() // tp, tp), mesh_dim_names=("dp", "tp"))
         parallelize_module(model, world["tp"], tensor_parallel_plan(model))
@@ -116,12 +118,13 @@ def train(
     fault: Fault | None = None,
     timeout: timedelta = checkpoint.sharded.DEFAULT_TIMEOUT,
     tp: int = 1,
+    offload: bool = False,
 ) -> Run:
     """Train to `steps` (or stop before step `stop_at`), resuming from and saving to `root` (None: no
     checkpoints). `fault`: a rank kills or stops itself (see `Fault`); `timeout`: the checkpoint
     functions' wait for the slowest rank. `tp` > 1 (tensor parallel) is for loading only: `step`
     splits batches over every rank, which is not what the tp ranks of one dp rank must see."""
-    model, optimizer = build(strategy, shape, tp=tp)
+    model, optimizer = build(strategy, shape, tp=tp, offload=offload)
     step_fn = model if backend == "eager" else torch.compile(model, backend=backend)
     resumed = None
     if root is not None:

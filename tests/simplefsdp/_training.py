@@ -197,6 +197,7 @@ def train_simplefsdp(
     passes: simplefsdp.PassConfig | None = simplefsdp.PassConfig(),
     compile_caches: bool = True,
     cache_dir: str | None = None,
+    offload: simplefsdp.OffloadPolicy | None = None,
 ) -> Result:
     """simplefsdp on every rank of the default group; `backend` is "eager" or a torch.compile backend.
 
@@ -207,7 +208,9 @@ def train_simplefsdp(
     parsed = simplefsdp.ShardingStrategy.parse(strategy)
     model = fresh_model()
     policy = simplefsdp.MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
-    simplefsdp.wrap(model, _mesh(parsed), strategy=parsed, mp_policy=policy, reduce_op=reduce_op, passes=passes)
+    simplefsdp.wrap(
+        model, _mesh(parsed), strategy=parsed, mp_policy=policy, reduce_op=reduce_op, passes=passes, offload=offload
+    )
     step_fn = model if backend == "eager" else torch.compile(model, backend=backend)
     caches = {} if compile_caches else {"fx_graph_cache": False}
     events: dict[str, int] = {}
@@ -239,9 +242,12 @@ def train_loaded(held_dtype: torch.dtype, *, policy: bool = True) -> Result:
     return _train_distributed(model, model)
 
 
-def train_fsdp2(strategy: str, *, param_dtype=None, reduce_dtype=None, optimizer: str = "adamw-foreach") -> Result:
-    """FSDP2 `fully_shard` per block and at the root (its recommended use), eager; DDP for NO_SHARD."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+def train_fsdp2(
+    strategy: str, *, param_dtype=None, reduce_dtype=None, optimizer: str = "adamw-foreach", offload: bool = False
+) -> Result:
+    """FSDP2 `fully_shard` per block and at the root (its recommended use), eager; DDP for NO_SHARD;
+    `offload`: with `CPUOffloadPolicy(pin_memory=False)` (what runs on a CPU mesh)."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
     from torch.nn.parallel import DistributedDataParallel
 
     parsed = simplefsdp.ShardingStrategy.parse(strategy)
@@ -255,9 +261,11 @@ def train_fsdp2(strategy: str, *, param_dtype=None, reduce_dtype=None, optimizer
     # rope tables) are left as they come, as simplefsdp leaves them
     block_policy = dataclasses.replace(mp_policy, cast_forward_inputs=False)
     mesh = _mesh(parsed)
+    where = CPUOffloadPolicy(pin_memory=False) if offload else OffloadPolicy()
+    reshard = parsed.reshard_after_forward
     for layer in model.layers:
-        fully_shard(layer, mesh=mesh, reshard_after_forward=parsed.reshard_after_forward, mp_policy=block_policy)
-    fully_shard(model, mesh=mesh, reshard_after_forward=parsed.reshard_after_forward, mp_policy=mp_policy)
+        fully_shard(layer, mesh=mesh, reshard_after_forward=reshard, mp_policy=block_policy, offload_policy=where)
+    fully_shard(model, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp_policy, offload_policy=where)
     return _train_distributed(model, model, optimizer)
 
 

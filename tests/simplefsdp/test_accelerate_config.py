@@ -149,7 +149,6 @@ def test_keys_simplefsdp_always_honours_are_noted(key):
 @pytest.mark.parametrize(
     ("document", "named"),
     [
-        ({"fsdp_offload_params": True}, "fsdp_offload_params: true"),
         ({"fsdp_state_dict_type": "LOCAL_STATE_DICT"}, "fsdp_state_dict_type: LOCAL_STATE_DICT"),
         ({"mixed_precision": "fp8"}, "mixed_precision: 'fp8'"),
         ({"fsdp_sharding_strategy": 6}, "fsdp_sharding_strategy: 6"),

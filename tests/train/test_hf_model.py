@@ -153,8 +153,8 @@ def test_an_accelerate_file_sets_the_flags_flags_override_it(tmp_path):
         3,
     )
     path.write_text(ACCELERATE_YAML.replace("fsdp_sync_module_states: true", "fsdp_offload_params: true"))
-    with pytest.raises(ValueError, match="fsdp_offload_params: true cannot be honoured"):
-        parse_args(["--config", str(path)])
+    assert parse_args(["--config", str(path)]).offload == "all"
+    assert parse_args(["--config", str(path), "--offload", "none"]).offload == "none"
 
 
 @pytest.mark.parametrize("shard_size", [None, "20KB"])

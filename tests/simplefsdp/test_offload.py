@@ -1,0 +1,134 @@
+"""Offload to host memory (`OffloadPolicy`): the policy's checks, training on gloo ranks, checkpoints
+across policies, and the settings that map onto it.
+
+On a CPU mesh the host is the device: the copies to and from the device are identity copies, and
+everything else -- the copy ops in the compiled graphs, the passes around them, the gradients
+landing through the copy back, the optimizer stepping the host shards -- runs as on a GPU. The
+copies' placement in the graphs is tested in `tests/passes/test_host_copies.py`.
+"""
+
+from __future__ import annotations
+
+import functools
+import shutil
+
+import pytest
+import torch
+
+import simplefsdp
+from simplefsdp.train.config import parse_args
+from tests._tiers import fast_first
+from tests.simplefsdp import _ckpt as ckpt
+from tests.simplefsdp import _training as training
+from tests.simplefsdp.test_checkpoint import _assert_same_state
+from tests.simplefsdp.test_training import FP32_TOL, _assert_results_close, _pool
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "named"),
+    [
+        ({"gradients": False}, r"OffloadPolicy\(parameters=True, gradients=False\) cannot work"),
+        ({"optimizer_state": False}, r"OffloadPolicy\(gradients=True, optimizer_state=False\) cannot work"),
+        ({"parameters": False, "gradients": True, "optimizer_state": False}, "gradients=True, optimizer_state=False"),
+    ],
+)
+def test_combinations_that_cannot_work_are_refused_by_name(kwargs, named):
+    with pytest.raises(ValueError, match=named):
+        simplefsdp.OffloadPolicy(**kwargs)
+
+
+def test_the_policy_takes_booleans_only():
+    with pytest.raises(TypeError, match=r"OffloadPolicy\.pin_memory must be a bool, got 'yes'"):
+        simplefsdp.OffloadPolicy(pin_memory="yes")
+
+
+@pytest.mark.parametrize(
+    "policy",
+    [simplefsdp.OffloadPolicy(parameters=False), simplefsdp.OffloadPolicy(parameters=False, gradients=False)],
+)
+def test_wrap_refuses_keeping_parameters_on_the_device_while_the_rest_moves(policy):
+    """Valid combinations this version does not move: refused before the model changes."""
+    model = training.fresh_model()
+    before = {fqn: p.detach().clone() for fqn, p in model.named_parameters()}
+    with pytest.raises(ValueError, match=r"keeps the .*parameters on the device while offloading the rest"):
+        simplefsdp.wrap(model, offload=policy)
+    assert all(torch.equal(p, before[fqn]) for fqn, p in model.named_parameters())
+
+
+def test_wrap_takes_an_offload_policy():
+    with pytest.raises(TypeError, match=r"offload must be a simplefsdp\.OffloadPolicy or None, got str"):
+        simplefsdp.wrap(training.fresh_model(), offload="all")
+
+
+_STRATEGIES = ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "HYBRID_SHARD_ZERO2"]
+
+
+@functools.cache
+def _reference() -> training.Result:
+    return training.train_reference()
+
+
+@pytest.mark.parametrize(
+    ("strategy", "backend"),
+    fast_first([("FULL_SHARD", "eager"), *((s, "inductor") for s in _STRATEGIES)], rows=True),
+)
+def test_offloaded_training_matches_one_process_and_fsdp2_cpu_offload(request, strategy, backend):
+    """5 AdamW steps with everything offloaded: the single-process reference within the fp32 bound
+    of `test_training.py`, and FSDP2 with `CPUOffloadPolicy(pin_memory=False)` (eager, the same
+    strategy) bitwise in eager on a 1-D mesh, else within the bound. Compiled runs compile from
+    scratch, so the passes bucket and reorder around the copies (checked: they merged and moved)."""
+    pool = _pool(request, strategy)
+    results = pool.run(
+        training.train_simplefsdp,
+        strategy,
+        backend,
+        offload=simplefsdp.OffloadPolicy(),
+        compile_caches=backend == "eager",
+    )
+    ours = results[0]
+    for rank_result in results[1:]:
+        _assert_results_close(rank_result, ours, tol=None)
+    assert ours.losses[-1] < ours.losses[0]
+    _assert_results_close(ours, _reference(), FP32_TOL)
+    fsdp2 = pool.run(training.train_fsdp2, strategy, offload=strategy != "NO_SHARD")[0]
+    bitwise = backend == "eager" and not strategy.startswith("HYBRID")
+    _assert_results_close(ours, fsdp2, None if bitwise else FP32_TOL)
+    if backend == "inductor" and strategy != "NO_SHARD":
+        assert ours.collectives_merged > 0, ours
+        assert ours.collectives_moved > 0, ours
+
+
+@pytest.mark.slow
+def test_a_checkpoint_resumes_under_another_policy(ranks2, tmp_path):
+    """Saved with everything offloaded, resumed without offload, and the other way round: bitwise
+    the uninterrupted run's parameters, optimizer state and losses."""
+    steps, stop = 4, 2
+    roots = {offload: str(tmp_path / f"saved-offload-{offload}") for offload in (True, False)}
+    ranks2.run(
+        ckpt.train_many,
+        [(roots[o], {"strategy": "FULL_SHARD", "steps": steps, "stop_at": stop, "offload": o}) for o in roots],
+    )
+    uninterrupted, *resumed = ranks2.run(
+        ckpt.train_many,
+        [
+            (None, {"strategy": "FULL_SHARD", "steps": steps}),
+            *((roots[o], {"strategy": "FULL_SHARD", "steps": steps, "offload": not o}) for o in roots),
+        ],
+    )[0]
+    for run in resumed:
+        assert run.start_step == stop
+        assert run.losses == uninterrupted.losses[stop:]
+        _assert_same_state(run, uninterrupted)
+    for root in roots.values():
+        shutil.rmtree(root)
+
+
+def test_accelerate_offload_params_maps_onto_full_offload():
+    settings = simplefsdp.from_accelerate({"fsdp_offload_params": True})
+    assert settings.wrap_kwargs()["offload"] == simplefsdp.OffloadPolicy()
+    assert simplefsdp.from_accelerate({"fsdp_offload_params": False}).wrap_kwargs()["offload"] is None
+
+
+def test_train_offload_flag():
+    assert parse_args(["--offload", "all"]).offload == "all"
+    assert parse_args([]).offload == "none"
