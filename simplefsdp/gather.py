@@ -99,6 +99,9 @@ class GatherSpec:
     # an offloaded parameter: its shard lives in host memory and is copied to the device per gather
     # (see `offload.py`); None for a shard on the device
     host: HostShard | None = None
+    # the copy of the shard the device keeps under `OffloadPolicy(parameters=False)`, read instead
+    # of copying the host shard in
+    device_copy: torch.Tensor | None = dataclasses.field(default=None, compare=False)
 
     @property
     def full_placements(self) -> tuple[Placement, ...]:
@@ -188,7 +191,7 @@ def _redistribute(param: DTensor, spec: GatherSpec, pending: torch.Tensor | None
     if pending is not None:
         return _adding(lambda wide: _redistribute(param, wide, None), param, spec, pending)
     if spec.host is not None:
-        param = to_device(param, spec.host)
+        param = to_device(param, spec.host, spec.device_copy)
     full = param.redistribute(
         placements=spec.full_placements,
         forward_dtype=spec.param_dtype,

@@ -20,42 +20,69 @@ no device copy of an offloaded shard for backward. No kernel reads host memory: 
 collectives see device tensors only. On a CPU mesh the host is the device and the copies are
 identity copies; the graph is the same.
 
-[Note: which combinations work]
-The tiers nest: `parameters` needs `gradients` (a gradient is reduced on the device and its
-parameter steps where it lives), and `gradients` needs `optimizer_state` (the step reads gradient
-and state together, on the host). What this version moves is everything (`OffloadPolicy()`, what
-FSDP2's `CPUOffloadPolicy` and Accelerate's `fsdp_offload_params` mean) or nothing (`offload=None`);
-a policy that keeps parameters on the device while state or gradients go to the host is refused by
-`wrap()`, named.
+[Note: two tiers]
+The optimizer steps the objects `model.parameters()` yields, and creates its state beside them; a
+gradient lands on its parameter's device. So the optimizer state lives in host memory exactly when
+the masters do, and with them their gradients. What is left to choose is whether the device keeps a
+copy of each shard between steps:
+
+- `OffloadPolicy()` ("all", FSDP2's `CPUOffloadPolicy`, Accelerate's `fsdp_offload_params`): it
+  keeps nothing; every gather copies its shard in (twice a step under FULL_SHARD: the backward's
+  re-gather copies again).
+- `OffloadPolicy(parameters=False)` ("optimizer", DeepSpeed's ZeRO-Offload): it keeps each shard in
+  the compute dtype (`param_dtype`), which the gathers read, refreshed once per optimizer step
+  (`refresh_device_copies`, run after every `optimizer.step()` of an optimizer holding such a
+  parameter, and by simplefsdp's loaders and `materialize`). Per parameter and rank the device
+  then holds `param_dtype`'s bytes / world instead of master, gradient and optimizer state. A
+  master written outside those paths needs `simplefsdp.offload.refresh_device_copies(model)`
+  before the next forward (`model.load_state_dict` runs it).
+
+[Note: the device copy's dtype on the way in]
+The gather reads the device copy through the master's dtype (an exact widening of `param_dtype`),
+so the redistribution that casts it to `param_dtype` again returns its gradient in the master's
+dtype: the reduced gradient reaches the host master cast once from `reduce_dtype`, as without
+offload, never rounded through `param_dtype`.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from simplefsdp.kernels.host_copy import COPY_START, COPY_WAIT
 
-__all__ = ["HostShard", "OffloadPolicy", "host_device_of", "move_offloaded_to_host", "on_host", "to_device"]
+__all__ = [
+    "TIERS",
+    "HostShard",
+    "OffloadPolicy",
+    "attach_device_copy",
+    "device_copy_of",
+    "host_device_of",
+    "move_offloaded_to_host",
+    "on_host",
+    "refresh_after_load",
+    "refresh_device_copies",
+    "to_device",
+]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class OffloadPolicy:
-    """What lives in host memory (see [Note: which combinations work]).
+    """What lives in host memory: always the optimizer state, the sharded masters it steps (in their
+    master dtype, fp32 under mixed precision) and their gradients; see [Note: two tiers].
 
     Args:
-        parameters: the sharded masters (in their master dtype, fp32 under mixed precision).
-        gradients: their reduced gradient shards.
-        optimizer_state: the optimizer's state; the optimizer steps on the host.
+        parameters: also the shards the compute reads: the device keeps nothing between steps.
+            False: the device keeps each shard in `param_dtype`, refreshed after each optimizer step.
         pin_memory: pin the host tensors when the mesh is on CUDA (async copies need pinned memory).
     """
 
     parameters: bool = True
-    gradients: bool = True
-    optimizer_state: bool = True
     pin_memory: bool = True
 
     def __post_init__(self) -> None:
@@ -63,39 +90,32 @@ class OffloadPolicy:
             value = getattr(self, field.name)
             if not isinstance(value, bool):
                 raise TypeError(f"OffloadPolicy.{field.name} must be a bool, got {value!r}")
-        if self.parameters and not self.gradients:
-            raise ValueError(
-                "OffloadPolicy(parameters=True, gradients=False) cannot work: a parameter in host memory "
-                "steps there, so its gradient has to land there too"
-            )
-        if self.gradients and not self.optimizer_state:
-            raise ValueError(
-                "OffloadPolicy(gradients=True, optimizer_state=False) cannot work: the step reads the "
-                "gradient and the optimizer state together, so they live in one place"
-            )
 
     @property
-    def offloads_anything(self) -> bool:
-        return self.optimizer_state
+    def tier(self) -> str:
+        """ "all" or "optimizer" (the names `simplefsdp train --offload` takes)."""
+        return "all" if self.parameters else "optimizer"
 
-    def check_supported(self) -> None:
-        """Raise `ValueError` for a valid combination this version does not move (parameters on the
-        device while state or gradients go to the host)."""
-        if self.optimizer_state and not self.parameters:
-            kept = "gradients and parameters" if not self.gradients else "parameters"
-            raise ValueError(
-                f"{self} keeps the {kept} on the device while offloading the rest: not available in "
-                "this version; offload everything (OffloadPolicy()) or nothing (offload=None)"
-            )
+    @classmethod
+    def of_tier(cls, tier: str) -> OffloadPolicy | None:
+        """The policy `simplefsdp train --offload TIER` means: None for "none"."""
+        if tier not in TIERS:
+            raise ValueError(f"offload tier must be one of {', '.join(TIERS)}; got {tier!r}")
+        return None if tier == "none" else cls(parameters=tier == "all")
+
+
+TIERS = ("none", "optimizer", "all")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class HostShard:
-    """How a gather reaches an offloaded shard: copied to `device` (the mesh's, this rank's), its
-    gradient copied back to the host (pinned if `pin_memory`)."""
+    """How a gather reaches an offloaded shard: on `device` (the mesh's, this rank's) -- copied in
+    at each gather, or read from the copy the device keeps (`keep_device_copy`) -- with its gradient
+    copied back to the host (pinned if `pin_memory`)."""
 
     device: torch.device
     pin_memory: bool
+    keep_device_copy: bool = False
 
 
 class _ToDevice(torch.autograd.Function):
@@ -111,10 +131,28 @@ class _ToDevice(torch.autograd.Function):
         return COPY_WAIT(COPY_START(grad, ctx.host, ctx.pin_memory), grad), None, None
 
 
-def to_device(param: DTensor, where: HostShard) -> DTensor:
-    """`param` (a DTensor whose local shard is in host memory) with its local shard copied to the
-    device, differentiable: its gradient's local shard is copied back to the host."""
-    local = _ToDevice.apply(param.to_local(), where.device, where.pin_memory)
+class _FromDeviceCopy(torch.autograd.Function):
+    """A host shard's value read from the copy the device keeps ([Note: the device copy's dtype on
+    the way in]); in backward, the gradient's host copy."""
+
+    @staticmethod
+    def forward(ctx, shard: torch.Tensor, device_copy: torch.Tensor, pin_memory: bool) -> torch.Tensor:
+        ctx.host, ctx.pin_memory = shard.device, pin_memory
+        return device_copy.to(shard.dtype, copy=True)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return COPY_WAIT(COPY_START(grad, ctx.host, ctx.pin_memory), grad), None, None
+
+
+def to_device(param: DTensor, where: HostShard, device_copy: torch.Tensor | None = None) -> DTensor:
+    """`param` (a DTensor whose local shard is in host memory) with its local shard on the device --
+    copied in, or read from `device_copy` -- differentiable: its gradient's local shard is copied
+    back to the host."""
+    if device_copy is not None:
+        local = _FromDeviceCopy.apply(param.to_local(), device_copy, where.pin_memory)
+    else:
+        local = _ToDevice.apply(param.to_local(), where.device, where.pin_memory)
     return DTensor.from_local(
         local, param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride()
     )
@@ -129,10 +167,66 @@ def host_device_of(mesh_device_type: str) -> torch.device:
     return torch.device(mesh_device_type, module.current_device())
 
 
+_DEVICE_COPY_ATTR = "_simplefsdp_device_copy"  # on a parameter: the shard copy the device keeps
+
+
+def attach_device_copy(param: nn.Parameter, *, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """A device tensor for the copy of `param`'s shard the device keeps ([Note: two tiers]), filled
+    from `param` unless it is on the meta device (then `refresh_device_copies` fills it later)."""
+    local = param.to_local()
+    copy = torch.empty(local.shape, dtype=dtype, device=device)
+    setattr(param, _DEVICE_COPY_ATTR, copy)
+    _ensure_refresh_hook()
+    if not local.is_meta:
+        _refresh(param)
+    return copy
+
+
+def device_copy_of(param: torch.Tensor) -> torch.Tensor | None:
+    """The copy of `param`'s shard the device keeps, None if it keeps none."""
+    return getattr(param, _DEVICE_COPY_ATTR, None)
+
+
+def _refresh(param: torch.Tensor) -> None:
+    copy = getattr(param, _DEVICE_COPY_ATTR, None)
+    if copy is not None:
+        with torch.no_grad():
+            copy.copy_(param.to_local(), non_blocking=True)
+
+
+def refresh_device_copies(model: nn.Module) -> None:
+    """Copy every master of `model` whose device keeps a copy ([Note: two tiers]) to that copy."""
+    for param in model.parameters():
+        _refresh(param)
+
+
+def refresh_after_load(module: nn.Module, incompatible_keys: Any) -> None:
+    """`load_state_dict` post-hook of a wrapped root: the loaded masters reach the device copies."""
+    refresh_device_copies(module)
+
+
+def _refresh_after_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            _refresh(param)
+
+
+_HOOKED: list[bool] = []
+
+
+def _ensure_refresh_hook() -> None:
+    """Refresh after every optimizer step, once per process (a global hook: an optimizer built on
+    `model.parameters()` is the user's, not ours)."""
+    if not _HOOKED:
+        register_optimizer_step_post_hook(_refresh_after_step)
+        _HOOKED.append(True)
+
+
 def move_offloaded_to_host(model: nn.Module) -> int:
     """Move the local shard of every offloaded parameter of `model` (wrapped with an offload policy)
-    to host memory, keeping each parameter object (optimizers and tied holders keep theirs); meta
-    shards stay where they are (`materialize()` calls this again). Returns the bytes moved."""
+    to host memory, keeping each parameter object (optimizers and tied holders keep theirs), and
+    fill the device copies the policy keeps; for a model whose shards were just allocated on the
+    device (`materialize()`, `--init-from`). Meta shards stay where they are. Returns the bytes moved."""
     from simplefsdp.parametrize import gather_specs_by_parameter
 
     moved = 0
@@ -145,6 +239,7 @@ def move_offloaded_to_host(model: nn.Module) -> int:
         replacement.__dict__.update(param.__dict__)  # swapped below: user tags stay with the object
         torch.utils.swap_tensors(param, replacement)
         moved += local.numel() * local.element_size()
+    refresh_device_copies(model)
     return moved
 
 

@@ -22,7 +22,15 @@ from simplefsdp.class_swap import user_class
 from simplefsdp.gather import GatherSpec, ReduceOp, reduce_deferred
 from simplefsdp.mesh import resolve_mesh
 from simplefsdp.mixed_precision import MixedPrecisionPolicy
-from simplefsdp.offload import HostShard, OffloadPolicy, host_device_of, on_host
+from simplefsdp.offload import (
+    HostShard,
+    OffloadPolicy,
+    attach_device_copy,
+    device_copy_of,
+    host_device_of,
+    on_host,
+    refresh_after_load,
+)
 from simplefsdp.parametrize import gather_on_access, is_wrapped_module
 from simplefsdp.passes.fsdp_pass import FsdpPass, PassConfig
 from simplefsdp.passes.install import attach_pass
@@ -174,18 +182,18 @@ def _check_arguments(
         raise TypeError(f"mp_policy must be a simplefsdp.MixedPrecisionPolicy, got {type(mp_policy).__name__}")
     if passes is not None and not isinstance(passes, PassConfig):
         raise TypeError(f"passes must be a simplefsdp.PassConfig or None, got {type(passes).__name__}")
-    if offload is not None:
-        if not isinstance(offload, OffloadPolicy):
-            raise TypeError(f"offload must be a simplefsdp.OffloadPolicy or None, got {type(offload).__name__}")
-        offload.check_supported()
+    if offload is not None and not isinstance(offload, OffloadPolicy):
+        raise TypeError(f"offload must be a simplefsdp.OffloadPolicy or None, got {type(offload).__name__}")
     return strategy, mp_policy
 
 
 def _host_shard(offload: OffloadPolicy | None, mesh: DeviceMesh) -> HostShard | None:
-    """How gathers reach offloaded shards on `mesh`; None when parameters stay on the device."""
-    if offload is None or not offload.parameters:
+    """How gathers reach offloaded shards on `mesh`; None without offload."""
+    if offload is None:
         return None
-    return HostShard(device=host_device_of(mesh.device_type), pin_memory=offload.pin_memory)
+    return HostShard(
+        device=host_device_of(mesh.device_type), pin_memory=offload.pin_memory, keep_device_copy=not offload.parameters
+    )
 
 
 def _check_model(
@@ -281,6 +289,9 @@ def _shard_parameters(model: nn.Module, params: dict[str, nn.Parameter], setting
             first = id(param) not in sharded
             if first:
                 sharded[id(param)], layouts[id(param)] = _shard(param, settings, fqn=fqn)
+                if settings.host is not None and settings.host.keep_device_copy:
+                    dtype = settings.mp_policy.gather_dtype(sharded[id(param)].dtype)
+                    attach_device_copy(sharded[id(param)], device=settings.host.device, dtype=dtype)
             tied_key = f"{settings.wrap_id}/{fqn}" if holders[id(param)] > 1 else None
             specs[name] = _spec(sharded[id(param)], settings, fqn=fqn, tied_key=tied_key, layout=layouts[id(param)])
             if first:
@@ -313,6 +324,7 @@ def _spec(
         accumulation=settings.accumulation,
         tp=layout,
         host=settings.host,
+        device_copy=device_copy_of(param),
     )
 
 
@@ -345,6 +357,9 @@ def _install_on_root(model: nn.Module, settings: _Settings, *, passes: PassConfi
     settings.mp_policy.install_casts(model)
     if has_tied:
         install_scope(model)
+    if settings.host is not None and settings.host.keep_device_copy:
+        # masters written by load_state_dict reach the copies the device keeps
+        model.register_load_state_dict_post_hook(refresh_after_load)
     attach(model, settings.accumulation)
     # A torch bug (compile caches keyed without the rank's local shard: ranks sharing a cache
     # directory could load each other's graphs) is worked around for the DTensors of these

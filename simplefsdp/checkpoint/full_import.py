@@ -34,6 +34,7 @@ from simplefsdp._compat import unwrap_compiled
 from simplefsdp.checkpoint import sync
 from simplefsdp.checkpoint.errors import CheckpointError, StateDictMismatchError
 from simplefsdp.checkpoint.full_source import FullStateSource
+from simplefsdp.offload import refresh_device_copies
 
 __all__ = ["import_full_state_dict"]
 
@@ -142,4 +143,5 @@ def import_full_state_dict(
         else:
             _broadcast(value, full)
         del full
+    refresh_device_copies(unwrap_compiled(model))  # offloaded masters: the copies the device keeps
     sync.wait_for_all_ranks(what=f"import_full_state_dict({path}): loaded", timeout=timeout)

@@ -55,6 +55,7 @@ from simplefsdp.checkpoint.manifest import MANIFEST_NAME, fsync_directory, verif
 from simplefsdp.checkpoint.optim_state import allocate_targets, flatten_optimizer, load_optimizer
 from simplefsdp.checkpoint.safe_reader import SafeFileSystemReader, read_metadata
 from simplefsdp.checkpoint.train_state import read_train_state, write_train_state
+from simplefsdp.offload import refresh_device_copies
 
 __all__ = ["LoadedCheckpoint", "latest_checkpoint", "list_checkpoints", "load_checkpoint", "save_checkpoint"]
 
@@ -314,6 +315,7 @@ def load_checkpoint(
     with _single_process_quietly():
         reader = SafeFileSystemReader(chosen)
         dcp.load({**present, **optim_tensors}, storage_reader=reader, no_dist=not sync.is_distributed())
+    refresh_device_copies(unwrap_compiled(model))  # offloaded masters: the copies the device keeps
     if optimizer is not None and document["optimizer"] is not None:
         load_optimizer(
             unwrap_compiled(model),

@@ -29,6 +29,7 @@ try:
     import tomllib
 except ImportError:  # Python 3.10
     import tomli as tomllib
+from simplefsdp.offload import TIERS
 from simplefsdp.strategy import ShardingStrategy
 
 __all__ = ["DTYPES", "ConfigError", "TrainConfig", "check_world", "load_accelerate", "load_toml", "parse_args"]
@@ -85,8 +86,8 @@ class TrainConfig:
     activation_checkpoint: str = _field("none", "checkpoint every block", ("none", "full", "selective"))
     offload: str = _field(
         "none",
-        "host memory holds nothing, or all: parameters, gradients, optimizer state (the optimizer steps there)",
-        ("none", "all"),
+        "host memory holds the optimizer state, masters and gradients (optimizer), and the parameters (all)",
+        TIERS,
     )
     # checkpoints and output
     checkpoint_dir: str = _field("simplefsdp-checkpoints", "where sharded checkpoints go")

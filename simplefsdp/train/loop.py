@@ -186,7 +186,7 @@ def build_model(config: TrainConfig, device: torch.device) -> TrainSetup:
         strategy=config.sharding,
         mp_policy=simplefsdp.MixedPrecisionPolicy(param_dtype=DTYPES[config.param_dtype], reduce_dtype=reduce),
         passes=_passes(config, profile_name(config, device), blocks),
-        offload=simplefsdp.OffloadPolicy() if config.offload == "all" else None,
+        offload=simplefsdp.OffloadPolicy.of_tier(config.offload),
     )
     if config.init_from:
         hf_model.allocate_shards(model, device)

@@ -20,6 +20,7 @@ from simplefsdp.inspect.record import StepGraphs, record_step
 from simplefsdp.kernels.copy_ops import ALL_GATHER_COPY_IN
 from simplefsdp.kernels.host_copy import COPY_START, COPY_WAIT, is_copy_start, is_copy_wait
 from simplefsdp.models import Transformer, TransformerArgs
+from simplefsdp.offload import device_copy_of
 
 ARGS = TransformerArgs(vocab_size=67, dim=32, n_layers=3, n_heads=4, ffn_dim=88, max_seq_len=16)
 N_PARAMS = len(list(Transformer(ARGS).parameters()))
@@ -104,3 +105,43 @@ def test_without_the_passes_each_copy_is_waited_where_it_starts(fake_world8, gra
     assert all(start.next in start.users for start in starts)
     placed, _ = _copies(graphs.post[0])
     assert not all(start.next in start.users for start in placed)
+
+
+def test_under_the_optimizer_tier_the_forward_reads_the_device_copies(fake_world8):
+    """`OffloadPolicy(parameters=False)`: no copy in the forward (the gathers read the shards the
+    device keeps), every gradient copied out in the backward."""
+    torch.manual_seed(0)
+    model = simplefsdp.wrap(
+        Transformer(ARGS), init_device_mesh("cpu", (8,)), offload=simplefsdp.OffloadPolicy(parameters=False)
+    )
+    tokens = torch.randint(0, ARGS.vocab_size, (2, 8))
+    forward, backward = record_step(model, lambda c: c(tokens).sum(), backend="simplefsdp_aot_eager").post
+    assert _copies(forward) == ([], [])
+    starts, waits = _copies(backward)
+    assert len(starts) == len(waits) == N_PARAMS
+
+
+def test_the_device_copies_hold_the_masters_in_the_compute_dtype_and_follow_loads(fake_world8):
+    policy = simplefsdp.MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+    model = simplefsdp.wrap(
+        Transformer(ARGS),
+        init_device_mesh("cpu", (8,)),
+        mp_policy=policy,
+        offload=simplefsdp.OffloadPolicy(parameters=False),
+    )
+
+    def copies_match() -> bool:
+        return all(torch.equal(device_copy_of(p), p.to_local().to(torch.bfloat16)) for p in model.parameters())
+
+    for param in model.parameters():
+        assert param.dtype == torch.float32
+        assert device_copy_of(param).dtype == torch.bfloat16
+        assert device_copy_of(param).shape == param.to_local().shape
+    assert copies_match()
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    with torch.no_grad():
+        for param in model.parameters():
+            param.to_local().add_(1.0)  # a write outside the optimizer: the copies go stale
+    assert not copies_match()
+    model.load_state_dict(state)  # its post-hook refreshes them
+    assert copies_match()

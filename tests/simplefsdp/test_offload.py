@@ -13,7 +13,6 @@ import functools
 import shutil
 
 import pytest
-import torch
 
 import simplefsdp
 from simplefsdp.train.config import parse_args
@@ -24,35 +23,18 @@ from tests.simplefsdp.test_checkpoint import _assert_same_state
 from tests.simplefsdp.test_training import FP32_TOL, _assert_results_close, _pool
 
 
-@pytest.mark.parametrize(
-    ("kwargs", "named"),
-    [
-        ({"gradients": False}, r"OffloadPolicy\(parameters=True, gradients=False\) cannot work"),
-        ({"optimizer_state": False}, r"OffloadPolicy\(gradients=True, optimizer_state=False\) cannot work"),
-        ({"parameters": False, "gradients": True, "optimizer_state": False}, "gradients=True, optimizer_state=False"),
-    ],
-)
-def test_combinations_that_cannot_work_are_refused_by_name(kwargs, named):
-    with pytest.raises(ValueError, match=named):
-        simplefsdp.OffloadPolicy(**kwargs)
-
-
 def test_the_policy_takes_booleans_only():
     with pytest.raises(TypeError, match=r"OffloadPolicy\.pin_memory must be a bool, got 'yes'"):
         simplefsdp.OffloadPolicy(pin_memory="yes")
 
 
-@pytest.mark.parametrize(
-    "policy",
-    [simplefsdp.OffloadPolicy(parameters=False), simplefsdp.OffloadPolicy(parameters=False, gradients=False)],
-)
-def test_wrap_refuses_keeping_parameters_on_the_device_while_the_rest_moves(policy):
-    """Valid combinations this version does not move: refused before the model changes."""
-    model = training.fresh_model()
-    before = {fqn: p.detach().clone() for fqn, p in model.named_parameters()}
-    with pytest.raises(ValueError, match=r"keeps the .*parameters on the device while offloading the rest"):
-        simplefsdp.wrap(model, offload=policy)
-    assert all(torch.equal(p, before[fqn]) for fqn, p in model.named_parameters())
+def test_tiers_name_the_policies():
+    assert simplefsdp.OffloadPolicy.of_tier("none") is None
+    assert simplefsdp.OffloadPolicy.of_tier("optimizer") == simplefsdp.OffloadPolicy(parameters=False)
+    assert simplefsdp.OffloadPolicy.of_tier("all") == simplefsdp.OffloadPolicy()
+    assert [simplefsdp.OffloadPolicy(parameters=p).tier for p in (False, True)] == ["optimizer", "all"]
+    with pytest.raises(ValueError, match="offload tier must be one of none, optimizer, all; got 'some'"):
+        simplefsdp.OffloadPolicy.of_tier("some")
 
 
 def test_wrap_takes_an_offload_policy():
@@ -68,21 +50,30 @@ def _reference() -> training.Result:
     return training.train_reference()
 
 
-@pytest.mark.parametrize(
-    ("strategy", "backend"),
-    fast_first([("FULL_SHARD", "eager"), *((s, "inductor") for s in _STRATEGIES)], rows=True),
-)
-def test_offloaded_training_matches_one_process_and_fsdp2_cpu_offload(request, strategy, backend):
-    """5 AdamW steps with everything offloaded: the single-process reference within the fp32 bound
-    of `test_training.py`, and FSDP2 with `CPUOffloadPolicy(pin_memory=False)` (eager, the same
-    strategy) bitwise in eager on a 1-D mesh, else within the bound. Compiled runs compile from
-    scratch, so the passes bucket and reorder around the copies (checked: they merged and moved)."""
+_CASES = [
+    ("FULL_SHARD", "eager", "all"),
+    ("FULL_SHARD", "eager", "optimizer"),
+    # every strategy compiled, HYBRID_SHARD_ZERO2 under the other tier
+    *((s, "inductor", "all") for s in _STRATEGIES if s != "HYBRID_SHARD_ZERO2"),
+    ("FULL_SHARD", "inductor", "optimizer"),
+    ("HYBRID_SHARD_ZERO2", "inductor", "optimizer"),
+]
+
+
+@pytest.mark.parametrize(("strategy", "backend", "tier"), fast_first(_CASES, fast=2, rows=True))
+def test_offloaded_training_matches_one_process_and_fsdp2_cpu_offload(request, strategy, backend, tier):
+    """5 AdamW steps with a tier offloaded: the single-process reference within the fp32 bound of
+    `test_training.py`, and FSDP2 with `CPUOffloadPolicy(pin_memory=False)` (eager, the same
+    strategy) bitwise in eager on a 1-D mesh, else within the bound. Under "optimizer" the forward
+    reads the copies the device keeps: a copy left stale after a step would train on old weights.
+    Compiled runs compile from scratch, so the passes bucket and reorder around the copies
+    (checked: they merged and moved)."""
     pool = _pool(request, strategy)
     results = pool.run(
         training.train_simplefsdp,
         strategy,
         backend,
-        offload=simplefsdp.OffloadPolicy(),
+        offload=simplefsdp.OffloadPolicy.of_tier(tier),
         compile_caches=backend == "eager",
     )
     ours = results[0]
@@ -130,5 +121,5 @@ def test_accelerate_offload_params_maps_onto_full_offload():
 
 
 def test_train_offload_flag():
-    assert parse_args(["--offload", "all"]).offload == "all"
+    assert [parse_args(["--offload", tier]).offload for tier in ("optimizer", "all")] == ["optimizer", "all"]
     assert parse_args([]).offload == "none"
