@@ -190,6 +190,10 @@ class DeviceProfile:
     step_hidden_s: float = 0.0  # what else one with compute between its launch and its wait costs (same)
     compute_scale: float = 1.0  # wall seconds of compiled compute per roofline second (1: the roofline)
     backend: str = ""  # the communication backend it describes ("nccl", "gloo"; "": unknown), for dry runs
+    # the host tier (offload, `simplefsdp/offload.py`); None: no host tier -- on a CPU the host is the device
+    host_link_bytes_per_s: float | None = None  # host <-> device copies of pinned memory, one direction
+    host_memory_bytes_per_s: float | None = None  # host memory bandwidth one rank's optimizer step reaches
+    host_capacity_bytes: float | None = None  # host memory one rank may use
 
     def __post_init__(self) -> None:
         rates = {k: getattr(self, k) for k in ("bus_bytes_per_s", "flops_per_s", "memory_bytes_per_s")}
@@ -208,6 +212,9 @@ class DeviceProfile:
             raise ValueError(f"device profile {self.name!r}: drift_span_s must be > 0 or None: {self}")
         if self.capacity_bytes is not None and not self.capacity_bytes > 0:
             raise ValueError(f"device profile {self.name!r}: capacity_bytes must be > 0 or None: {self}")
+        host = ("host_link_bytes_per_s", "host_memory_bytes_per_s", "host_capacity_bytes")
+        if any(getattr(self, k) is not None and not getattr(self, k) > 0 for k in host):
+            raise ValueError(f"device profile {self.name!r}: {', '.join(host)} must be > 0 or None: {self}")
         step = (self.step_collective_s, self.step_exposed_wait_s, self.step_hidden_s)
         if self.wake_s < 0 or not self.wake_tau_s > 0 or self.drift < 0 or min(step) < 0:
             raise ValueError(
@@ -324,6 +331,7 @@ def load_profile(path: str | Path) -> DeviceProfile:
         fields = {f.name for f in dataclasses.fields(DeviceProfile)} - nested
         optional = {"overlap", "wake_s", "wake_tau_s", "drift", "drift_span_s", "capacity_bytes"}
         optional |= {"step_collective_s", "step_exposed_wait_s", "step_hidden_s", "compute_scale", "backend"}
+        optional |= {"host_link_bytes_per_s", "host_memory_bytes_per_s", "host_capacity_bytes"}
         missing = sorted(f for f in fields - optional if f not in data)
         if missing:
             raise ValueError(f"missing keys {missing}")

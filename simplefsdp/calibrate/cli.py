@@ -78,6 +78,18 @@ def calibrate(
     return profile
 
 
+def _host_tier_text(profile: DeviceProfile) -> str:
+    if profile.host_link_bytes_per_s is None or profile.host_memory_bytes_per_s is None:
+        return "absent: the host is the device (offload moves nothing)"
+    capacity = (
+        "" if profile.host_capacity_bytes is None else f", {profile.host_capacity_bytes / 2**30:,.1f} GiB per rank"
+    )
+    return (
+        f"copies {profile.host_link_bytes_per_s / 1e9:,.1f} GB/s, optimizer step "
+        f"{profile.host_memory_bytes_per_s / 1e9:,.1f} GB/s{capacity}"
+    )
+
+
 def _describe(profile: DeviceProfile) -> str:
     width = 22  # the longest label: "reduce_scatter_copy_in"
 
@@ -92,6 +104,7 @@ def _describe(profile: DeviceProfile) -> str:
         line("compiled compute", f"{profile.compute_scale:.2f} x the roofline of those two rates"),
         line("overlap", f"{profile.overlap:.2f} of communication time runs beside compute"),
         line("capacity", capacity),
+        line("host tier", _host_tier_text(profile)),
     ]
     for kind, latency, bandwidth in profile.collectives:
         staged = profile.staging_factor(kind)

@@ -40,6 +40,11 @@ charge.
 Compute ([Note: compute as compiled] in `step_probe.py`): `compute_scale = measured / roofline`
 seconds of the probe's compiled forward and backward; not probed (a GPU), 1.
 
+Host tier (beside a GPU only): `host_link_bytes_per_s` is the slower direction of a pinned copy,
+`host_memory_bytes_per_s` the bytes a CPU AdamW step reads and writes (7 x 4 per fp32 element) per
+second of it -- what `inspect/offload_cost.py` charges the host step at. A CPU has none: there the
+host is the device, and offload moves nothing.
+
 Optimizer: `seconds = tensors * tensor_s + tensors * elements * element_s` through the measured
 shapes (least squares over them; two shapes: the exact solution), each term clamped at zero.
 """
@@ -281,4 +286,22 @@ def profile_from(measured: Measurements, *, name: str) -> DeviceProfile:
         step_exposed_wait_s=per_exposed_wait,
         step_hidden_s=per_hidden,
         compute_scale=compute_scale(measured.compute_probe),
+        **_host_tier(measured),
     )
+
+
+# AdamW over fp32: reads master, gradient and its two moments, writes master and moments
+_ADAMW_BYTES_PER_ELEMENT = 7 * 4
+
+
+def _host_tier(measured: Measurements) -> dict:
+    """The profile's host tier from what was measured beside a GPU; none measured, none given."""
+    if measured.host_copy is None or measured.host_adamw is None:
+        return {}
+    nbytes, to_device_s, to_host_s = measured.host_copy
+    elements, step_s = measured.host_adamw
+    return {
+        "host_link_bytes_per_s": nbytes / max(to_device_s, to_host_s),
+        "host_memory_bytes_per_s": _ADAMW_BYTES_PER_ELEMENT * elements / step_s,
+        "host_capacity_bytes": measured.host_capacity_bytes,
+    }

@@ -95,6 +95,10 @@ class Measurements:
     compute_probe: tuple[float, float] | None = None  # (roofline seconds, measured seconds) of compiled compute
     step_probe: list[tuple[int, int, float, float]] = dataclasses.field(default_factory=list)
     # [(collectives per step, of which exposed, predicted seconds without the probe's fit, measured seconds)]
+    # the host tier (offload), measured beside a GPU only (on a CPU the host is the device):
+    host_copy: tuple[int, float, float] | None = None  # (bytes, seconds host to device, device to host), pinned
+    host_adamw: tuple[int, float] | None = None  # (fp32 elements, seconds of one CPU AdamW step over them)
+    host_capacity_bytes: float | None = None  # host memory one rank may use
 
 
 @dataclasses.dataclass(frozen=True)
@@ -367,6 +371,11 @@ def _capacity(device: torch.device) -> float | None:
     """See the module docstring; None where the host does not say."""
     if device.type == "cuda":
         return float(torch.cuda.get_device_properties(device).total_memory)
+    return _host_share()
+
+
+def _host_share() -> float | None:
+    """This host's physical memory over the ranks on it; None where the host does not say."""
     try:
         physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):
@@ -388,6 +397,32 @@ def _staging(device: torch.device) -> dict[str, float]:
         result[kind] = max(0, high_water_bytes(run, device)) / _STAGING_BYTES
         del run
     return result
+
+
+_HOST_COPY_BYTES = 256 * 2**20
+_HOST_ADAMW_ELEMENTS = 16 * 2**20
+
+
+def _host_tier(device: torch.device, plan: _Plan) -> dict:
+    """The host tier beside a GPU (`Measurements.host_copy`, `host_adamw`, `host_capacity_bytes`):
+    pinned copies each way, and the CPU AdamW step that offload runs; nothing on a CPU."""
+    if device.type != "cuda":
+        return {}
+    host = torch.empty(_HOST_COPY_BYTES // 4, pin_memory=True)
+    on_device = torch.empty(host.shape, device=device)
+    to_device = _median_s(lambda: on_device.copy_(host, non_blocking=True), device, plan.repeats)
+    to_host = _median_s(lambda: host.copy_(on_device, non_blocking=True), device, plan.repeats)
+    param = torch.nn.Parameter(torch.zeros(_HOST_ADAMW_ELEMENTS))
+    param.grad = torch.ones_like(param)
+    optimizer = torch.optim.AdamW([param], lr=1e-3)
+    optimizer.step()  # creates the state
+    cpu = torch.device("cpu")
+    step_s = _median_s(optimizer.step, cpu, plan.repeats)
+    return {
+        "host_copy": (_HOST_COPY_BYTES, to_device, to_host),
+        "host_adamw": (_HOST_ADAMW_ELEMENTS, step_s),
+        "host_capacity_bytes": _host_share(),
+    }
 
 
 def _optimizers(device: torch.device, plan: _Plan) -> dict[str, list[tuple[int, int, float]]]:
@@ -477,6 +512,7 @@ def measure(*, device: torch.device, quick: bool = False) -> Measurements:
         launches=launches,
         copy_calls=copy_calls,
         capacity_bytes=_capacity(device),
+        **_host_tier(device, plan),
     )
     if device.type == "cpu":  # [Note: what a training step adds], compute as compiled: the CPU only
         compute = probe_compute(profile=profile_from(measured, name="roofline"), device=device, quick=quick)

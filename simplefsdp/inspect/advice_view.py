@@ -32,9 +32,19 @@ def _verdict_cell(row: Row) -> str:
         return "[yellow]unsteady extrapolation (not ranked)[/yellow]"
     if verdict.fits:
         return "[green]fits[/green]"
+    if verdict.host_fits is False:
+        return "[red]host memory too small[/red]"
     if verdict.headroom_bytes >= 0:
         return "[yellow]only without the margin[/yellow]"
     return f"[red]over by {_size(-verdict.headroom_bytes)}[/red]"
+
+
+def _offload_cell(row: Row) -> str:
+    """The tier, with the bytes per rank it puts in host memory."""
+    if row.choice.offload == "none":
+        return "none"
+    host = "" if row.result is None else f" ({_size(row.result.host_bytes)} host)"
+    return f"{row.choice.offload}{host}"
 
 
 def ranking_table(advice: Advice, *, rows: int) -> Table:
@@ -43,7 +53,8 @@ def ranking_table(advice: Advice, *, rows: int) -> Table:
         title=f"advise: {advice.model} at world {advice.world_size} on {advice.device.name} ({capacity}); "
         f"{len(advice.rows)} configurations, {advice.traces} traced, {advice.search_s:.0f} s"
     )
-    for column in ("#", "strategy", "AC", "TP", "plan", "step ms", "tokens/s/GPU", "MFU", "peak / rank", "exposed", ""):
+    columns = ("#", "strategy", "AC", "TP", "plan", "offload", "step ms", "tokens/s/GPU", "MFU", "peak / rank")
+    for column in (*columns, "exposed", ""):
         table.add_column(column, justify="right" if column in ("#", "TP", "step ms", "tokens/s/GPU") else "left")
     for i, row in enumerate(advice.rows[:rows], 1):
         choice, result = row.choice, row.result
@@ -59,7 +70,14 @@ def ranking_table(advice: Advice, *, rows: int) -> Table:
                 f"{result.exposed_pct:.0f}%",
             ]
         table.add_row(
-            str(i), choice.strategy.value, choice.ac, str(choice.tp), choice.plan_label(), *numbers, _verdict_cell(row)
+            str(i),
+            choice.strategy.value,
+            choice.ac,
+            str(choice.tp),
+            choice.plan_label(),
+            _offload_cell(row),
+            *numbers,
+            _verdict_cell(row),
         )
     return table
 
@@ -91,6 +109,8 @@ def show_advice(
         return
     result = winner.result
     console.print(f"[green]run:[/green] {winner.choice.label()} -- {result.describe()}")
+    if winner.choice.offload != "none":
+        console.print(winner.verdict.line())
     param, reduce = args.param_dtype, args.reduce_dtype
     if batch is not None and seq is not None:
         flags = winner.choice.train_flags(
@@ -117,6 +137,8 @@ def advice_json(advice: Advice) -> dict:
             "plan": r.choice.plan,
             "prefetch_depth": r.choice.prefetch_depth,
             "memory_budget": r.choice.memory_budget,
+            "offload": r.choice.offload,
+            "host_bytes": r.verdict.host_bytes,
             "fits": r.fits,
             "peak_bytes": r.verdict.peak_bytes,
             "pruned_by_bound": r.pruned,
@@ -140,6 +162,7 @@ def advice_json(advice: Advice) -> dict:
 def run_advise(args: argparse.Namespace, *, model, mp_policy: simplefsdp.MixedPrecisionPolicy) -> Advice:
     """The advisor per the parsed flags, with a progress line per trace."""
     capacity = None if args.device_memory_gib is None else args.device_memory_gib * 2**30
+    host = None if args.host_memory_gib is None else args.host_memory_gib * 2**30
     with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), transient=True) as bar:
         task = bar.add_task("advise: starting", total=None)
         advice = advise(
@@ -158,6 +181,8 @@ def run_advise(args: argparse.Namespace, *, model, mp_policy: simplefsdp.MixedPr
             capacity_bytes=capacity,
             max_traced_blocks=args.max_traced_blocks,
             jobs=args.jobs,
+            offload=None if args.offload is None else (args.offload,),
+            host_capacity_bytes=host,
             on_progress=lambda label: bar.update(task, description=f"advise: {label}"),
         )
     if args.out:

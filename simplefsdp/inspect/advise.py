@@ -8,8 +8,10 @@ gathered weights unless checkpointing recomputes them; with a `shard_size`, the 
 strategies too) x activation checkpointing (none, selective, full) x tensor-parallel degree (those
 asked for) x what simplefsdp's pass does (no passes; one bucket per block with prefetch depth 0, 1
 or 2; the cost model's `auto` plan, which picks buckets and depth itself, without and with a memory
-budget of 0.25), costs each with the dry run's models (`schedule.py`, the liveness walk, the device
-profile) and ranks them.
+budget of 0.25) x what lives in host memory (no offload, the "optimizer" tier, "all"; where the
+profile has a host tier), costs each with the dry run's models (`schedule.py`, the liveness walk, the
+device profile; an offload tier priced on the trace without it, [Note: pricing the host tier] in
+`offload_cost.py`) and ranks them: offloading is slower, so it wins only where less does not fit.
 
 [Note: trace once, re-cost many]
 Only the first three axes change the graphs torch traces (reshard or keep, recompute or save,
@@ -23,9 +25,10 @@ the pass on.)
 
 [Note: pruning by a lower bound]
 Some configurations cannot fit whatever the trace says: each rank holds at least its parameter
-shards and optimizer state, and under SHARD_GRAD_OP / HYBRID_SHARD_ZERO2 without activation
-checkpointing also every gathered parameter from its forward to its backward (at least the
-model's parameter count over the tensor-parallel degree, in the gather dtype). (With
+shards and optimizer state (what the lightest offload tier searched leaves of them on the device),
+and under SHARD_GRAD_OP / HYBRID_SHARD_ZERO2 without activation checkpointing also every gathered
+parameter from its forward to its backward (at least the model's parameter count over the
+tensor-parallel degree, in the gather dtype). (With
 checkpointing the gathers sit inside the recomputed region and are gathered again in backward:
 the traced peaks show it, so no such bound holds there.) When the bound alone exceeds the
 device's memory, the configuration is listed as not fitting, with the bound, and not traced.
@@ -94,11 +97,13 @@ from simplefsdp.inspect.dryrun import (
     trace_depth,
 )
 from simplefsdp.inspect.memory import Persistent, check_optimizer, persistent_bytes
+from simplefsdp.inspect.offload_cost import check_tier, copy_fraction, reshards, with_offload
 from simplefsdp.inspect.record import StepGraphs
 from simplefsdp.inspect.report import Report, analyse, resolve_profile
 from simplefsdp.inspect.shapes import ModelShape, check_batch_and_seq, model_shape
 from simplefsdp.inspect.verdict import MemoryVerdict, memory_verdict
 from simplefsdp.inspect.workers import Workers
+from simplefsdp.offload import TIERS
 from simplefsdp.passes import cost
 from simplefsdp.passes.fsdp_pass import FsdpPass
 from simplefsdp.strategy import ShardingStrategy
@@ -221,18 +226,28 @@ def advise(
     max_traced_blocks: int = 8,
     jobs: int = 1,
     on_progress: Callable[[str], None] | None = None,
+    offload: Sequence[str] | None = None,
+    host_capacity_bytes: float | None = None,
 ) -> Advice:
     """Search the configurations of the module docstring for `model` at `world_size` ranks on
     `device` and rank them. `capacity_bytes` overrides the profile's memory; `margin` is the fits
     verdict's safety margin; `strategies` (default: FULL_SHARD and SHARD_GRAD_OP, and the HYBRID
     pair with a `shard_size`) restricts the search; `jobs` > 1 runs that many tasks (a trace at one
     depth and its re-costs) at once in worker processes (named shapes; see [Note: worker processes]
-    in `workers.py`); `on_progress(message)` is called as each task finishes."""
+    in `workers.py`); `on_progress(message)` is called as each task finishes. `offload`: the tiers of
+    `simplefsdp.offload.TIERS` to search (default: all of them where the profile has a host tier, else
+    none); `host_capacity_bytes` overrides the profile's host memory per rank."""
     if not isinstance(jobs, int) or jobs < 1:
         raise ValueError(f"jobs must be a positive integer, got {jobs!r}")
     check_batch_and_seq(batch=batch, seq=seq)
     profile = resolve_profile(device)
     check_optimizer(optimizer)
+    has_host = profile.host_link_bytes_per_s is not None and profile.host_memory_bytes_per_s is not None
+    tiers = tuple(offload) if offload is not None else (TIERS if has_host else ("none",))
+    if not tiers:
+        raise ValueError(f"offload: give at least one tier to search of {', '.join(TIERS)}")
+    for tier in tiers:
+        check_tier(profile, tier)
     capacity = capacity_bytes if capacity_bytes is not None else profile.capacity_bytes
     _check(world_size, tp, ac, capacity, profile.name)
     if not 0.0 <= margin < 1.0:
@@ -266,6 +281,8 @@ def advise(
         tokens=tokens,
         params=params,
         flops_per_token=flops_per_token,
+        tiers=tiers,
+        host_capacity=host_capacity_bytes,
     )
     with tempfile.TemporaryDirectory() as scratch:
         # the auto plan takes a profile by name or file (`BucketConfig.device`)
@@ -318,6 +335,8 @@ class _Job:
     tokens: int | None
     params: int | None  # the full-depth model's parameter count (named shapes)
     flops_per_token: float | None
+    tiers: tuple[str, ...]  # offload tiers searched
+    host_capacity: float | None  # host memory per rank (None: the profile's)
 
     def label(self) -> str:
         return f"{self.strategy.value}, AC {self.ac}, TP {self.tp}"
@@ -331,11 +350,29 @@ def _persistent(job: _Job) -> Persistent:
     )
 
 
-def _choices(job: _Job) -> list[Choice]:
+def _choices(job: _Job, tier: str = "none") -> list[Choice]:
+    """The pass variants of `job`, one `Choice` each (re-costed on one trace), with offload `tier`."""
     return [
-        Choice(strategy=job.strategy, ac=job.ac, tp=job.tp, plan=plan, prefetch_depth=depth, memory_budget=budget)
+        Choice(
+            strategy=job.strategy,
+            ac=job.ac,
+            tp=job.tp,
+            plan=plan,
+            prefetch_depth=depth,
+            memory_budget=budget,
+            offload=tier,
+        )
         for plan, depth, budget in PASS_VARIANTS
     ]
+
+
+def _device_persistent(job: _Job, persistent: Persistent, tier: str) -> int:
+    """What `tier` leaves on the device of `persistent`'s parameter shards and optimizer state."""
+    if tier == "all":
+        return 0
+    if tier == "optimizer":
+        return int(persistent.params_bytes * copy_fraction(job.mp_policy))
+    return persistent.params_bytes + persistent.optimizer_bytes
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -393,8 +430,9 @@ def _search(work: list[_Job], *, jobs: int, on_progress: Callable[[str], None] |
             persistent = held.get((job.strategy, job.tp))
             if persistent is None:
                 continue
+            lightest = max(job.tiers, key=TIERS.index)
             bound = _lower_bound(
-                persistent.params_bytes + persistent.optimizer_bytes,
+                _device_persistent(job, persistent, lightest),
                 params=job.params,
                 strategy=job.strategy,
                 ac=job.ac,
@@ -402,7 +440,7 @@ def _search(work: list[_Job], *, jobs: int, on_progress: Callable[[str], None] |
                 itemsize=(job.mp_policy.param_dtype or torch.float32).itemsize,
             )
             if bound > job.capacity:
-                pruned[i] = [_pruned(c, bound, job.profile, job.capacity, job.margin) for c in _choices(job)]
+                pruned[i] = [_pruned(c, bound, job.profile, job.capacity, job.margin) for c in _choices(job, lightest)]
         live = [i for i in range(len(work)) if i not in pruned]
 
         def traced_label(job: _Job, n: int | None) -> str:
@@ -440,27 +478,37 @@ def _rows(
     persistent = held.get((job.strategy, job.tp)) or traced[-1].persistent
     extrapolated = tuple(blocks[-2:]) if len(blocks) > 1 else (n_layers or 0,)
     rows = []
-    for v, choice in enumerate(_choices(job)):
+    for v, traced_choice in enumerate(_choices(job)):
         costed = [depth.costed[v] for depth in traced]
         state = _steady(costed, blocks, n_layers) if len(blocks) == 3 else steady
         traced_rows = Traced(
             costed=tuple(costed[-2:]), blocks=extrapolated, n_layers=n_layers, persistent=persistent, report=None
         )
-        result = result_of(
+        traced_result = result_of(
             traced_rows,
             model=job.name,
             world_size=job.world_size,
             device=job.profile,
             trace_s=0.0,
-            tp=choice.tp,
-            ac=choice.ac,
+            tp=traced_choice.tp,
+            ac=traced_choice.ac,
             tokens=job.tokens,
         )
-        mfu = None
-        if job.flops_per_token is not None and result.tokens_per_s:
-            mfu = result.tokens_per_s * job.flops_per_token / (job.world_size * job.profile.flops_per_s)
-        verdict = memory_verdict(result, margin=job.margin, capacity_bytes=job.capacity)
-        rows.append(Row(choice=choice, verdict=verdict, result=result, mfu=mfu, steady=state))
+        for tier in job.tiers:
+            choice = dataclasses.replace(traced_choice, offload=tier)
+            result = with_offload(
+                traced_result,
+                tier=tier,
+                copy_fraction=copy_fraction(job.mp_policy),
+                reshards=reshards(job.strategy, job.ac),
+            )
+            mfu = None
+            if job.flops_per_token is not None and result.tokens_per_s:
+                mfu = result.tokens_per_s * job.flops_per_token / (job.world_size * job.profile.flops_per_s)
+            verdict = memory_verdict(
+                result, margin=job.margin, capacity_bytes=job.capacity, host_capacity_bytes=job.host_capacity
+            )
+            rows.append(Row(choice=choice, verdict=verdict, result=result, mfu=mfu, steady=state))
     return rows
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 
 from simplefsdp.inspect.dryrun import AC_POLICIES
+from simplefsdp.offload import TIERS
 from simplefsdp.passes.fsdp_pass import BucketConfig, PassConfig
 from simplefsdp.passes.reorder import ReorderConfig
 from simplefsdp.strategy import ShardingStrategy
@@ -39,15 +40,18 @@ class Choice:
     plan: str  # "none" (passes off), "blocks", "auto"
     prefetch_depth: int | None
     memory_budget: float | None = None
+    offload: str = "none"  # a tier of `simplefsdp.offload.TIERS`
 
-    def order(self) -> tuple[int, int, int, int]:
-        """Position in the search's fixed order (TP, strategy, AC, pass variant): the ranking's tie-break."""
+    def order(self) -> tuple[int, int, int, int, int]:
+        """Position in the search's fixed order (TP, strategy, AC, pass variant, offload tier): the
+        ranking's tie-break."""
         strategies = list(ShardingStrategy)
         return (
             self.tp,
             strategies.index(self.strategy),
             AC_POLICIES.index(self.ac),
             PASS_VARIANTS.index((self.plan, self.prefetch_depth, self.memory_budget)),
+            TIERS.index(self.offload),
         )
 
     def plan_label(self) -> str:
@@ -58,7 +62,8 @@ class Choice:
         return self.plan
 
     def label(self) -> str:
-        return f"{self.strategy.value}, AC {self.ac}, TP {self.tp}, {self.plan_label()}"
+        offload = "" if self.offload == "none" else f", offload {self.offload}"
+        return f"{self.strategy.value}, AC {self.ac}, TP {self.tp}, {self.plan_label()}{offload}"
 
     def passes(self, *, device: str) -> PassConfig | None:
         """The `PassConfig` this choice wraps with (`device`: the profile name or file the auto plan costs with)."""
@@ -86,6 +91,8 @@ class Choice:
             flags.append(f"--profile {profile}")
         if self.memory_budget is not None:
             flags.append(f"--memory-budget {self.memory_budget:g}")
+        if self.offload != "none":
+            flags.append(f"--offload {self.offload}")
         return " ".join(flags)
 
     def wrap_call(self, *, param_dtype: str, reduce_dtype: str, profile: str, shard_size: int | None) -> str:
@@ -125,10 +132,12 @@ class Choice:
             f'    model, dp_mesh, strategy="{self.strategy.value}",',
             f"    mp_policy={mp},",
             f"    passes={passes},",
+            *([f"    offload={_OFFLOAD_POLICIES[self.offload]},"] if self.offload != "none" else []),
             ")",
             "model = torch.compile(model)",
         ]
         return "\n".join(lines)
 
 
+_OFFLOAD_POLICIES = {"optimizer": "simplefsdp.OffloadPolicy(parameters=False)", "all": "simplefsdp.OffloadPolicy()"}
 _DTYPE_NAMES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}

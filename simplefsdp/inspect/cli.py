@@ -29,6 +29,7 @@ from simplefsdp.inspect.dryrun import AC_POLICIES, DryRunResult, dry_run
 from simplefsdp.inspect.report import builtin_profile_note
 from simplefsdp.inspect.shapes import SHAPES, ModelShape, model_shape
 from simplefsdp.inspect.verdict import MemoryVerdict, memory_verdict
+from simplefsdp.offload import TIERS
 from simplefsdp.passes import cost
 from simplefsdp.passes.fsdp_pass import parse_memory_budget
 from simplefsdp.strategy import ShardingStrategy
@@ -124,6 +125,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--device-memory-gib", type=float, default=None, help="memory per device (default: the profile's capacity)"
     )
+    parser.add_argument(
+        "--offload",
+        choices=TIERS,
+        default=None,
+        help="what lives in host memory: optimizer (state, masters, gradients) or all (default none; "
+        "--advise: searches the tiers unless given)",
+    )
+    parser.add_argument(
+        "--host-memory-gib", type=float, default=None, help="host memory per rank (default: the profile's)"
+    )
     parser.add_argument("--margin", type=float, default=0.1, help="safety margin of the fits verdict (default 0.1)")
     parser.add_argument("--code", action="store_true", help="build on the CPU, compile with inductor, keep its code")
     parser.add_argument("--out", default=None, help="directory for graphs, code, JSON tables and timeline.png/html")
@@ -194,13 +205,15 @@ def run(args: argparse.Namespace) -> DryRunResult:
         code=args.code,
         tp=args.tp[0],
         ac=args.ac or "none",
+        offload=args.offload or "none",
     )
 
 
 def verdict_of(result: DryRunResult, args: argparse.Namespace) -> MemoryVerdict:
-    """The fits verdict per the parsed `--device-memory-gib` and `--margin`."""
+    """The fits verdict per the parsed `--device-memory-gib`, `--host-memory-gib` and `--margin`."""
     capacity = None if args.device_memory_gib is None else args.device_memory_gib * 2**30
-    return memory_verdict(result, margin=args.margin, capacity_bytes=capacity)
+    host = None if args.host_memory_gib is None else args.host_memory_gib * 2**30
+    return memory_verdict(result, margin=args.margin, capacity_bytes=capacity, host_capacity_bytes=host)
 
 
 def _verdict_table(verdict: MemoryVerdict) -> Table:
@@ -239,6 +252,8 @@ def _tables(result: DryRunResult, rows: int) -> list[Table]:
         summary.add_row("tokens / s", f"{result.tokens_per_s:,.0f} ({per_device:,.0f} per device)")
     summary.add_row("exposed communication", f"{result.exposed_pct:.1f}% ({result.exposed_s * 1e3:,.3f} ms)")
     summary.add_row("peak memory / rank", _mib(result.peak_bytes))
+    if result.offload != "none":
+        summary.add_row(f"offload {result.offload}: host memory / rank", _mib(result.host_bytes))
 
     buckets = Table(title="buckets (one row per collective, launch order)")
     for column in ("id", "phase", "collective", "modules", "params", "elements", "bytes", "dtype", "group"):
@@ -309,8 +324,10 @@ def _advise(args: argparse.Namespace, console: Console) -> int:
 
 def _check(args: argparse.Namespace) -> None:
     """What the flags' types do not check, before any work."""
-    if args.device_memory_gib is not None and not args.device_memory_gib > 0:
-        raise ValueError(f"--device-memory-gib must be > 0, got {args.device_memory_gib}")
+    for flag in ("device_memory_gib", "host_memory_gib"):
+        value = getattr(args, flag)
+        if value is not None and not value > 0:
+            raise ValueError(f"--{flag.replace('_', '-')} must be > 0, got {value}")
     if not 0.0 <= args.margin < 1.0:
         raise ValueError(f"--margin must be in [0, 1), got {args.margin}")
     if args.out is not None:

@@ -53,6 +53,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 import simplefsdp
 from simplefsdp._compat import init_fake_process_group
 from simplefsdp.inspect.memory import GraphPeak, MemoryEstimate, Persistent, check_optimizer, persistent_bytes
+from simplefsdp.inspect.offload_cost import check_tier, copy_fraction, reshards, with_offload
 from simplefsdp.inspect.report import Report, inspect_model, resolve_profile
 from simplefsdp.inspect.shapes import ModelShape, check_batch_and_seq, model_shape
 from simplefsdp.passes import cost
@@ -330,6 +331,8 @@ class DryRunResult:
     tp: int = 1
     ac: str = "none"
     tokens: int | None = None  # tokens per data-parallel rank per step (named shapes; None: unknown)
+    offload: str = "none"  # the offload tier priced in (`offload_cost.py`); `persistent` is then the device's
+    host_bytes: int = 0  # per rank in host memory under that tier
 
     @property
     def tokens_per_s(self) -> float | None:
@@ -355,8 +358,14 @@ class DryRunResult:
         return (
             f"{self.model} at world {self.world_size} on {self.device.name}: step {self.step_s * 1e3:.2f} ms, "
             f"exposed communication {self.exposed_pct:.1f}%, peak memory {self.peak_bytes / 2**30:.2f} GiB/rank "
-            f"({traced})"
+            f"({traced}){self.offload_note()}"
         )
+
+    def offload_note(self) -> str:
+        """ ", offload all: 12.34 GiB/rank in host memory" (empty without offload)."""
+        if self.offload == "none":
+            return ""
+        return f", offload {self.offload}: {self.host_bytes / 2**30:,.2f} GiB/rank in host memory"
 
 
 def result_of(
@@ -408,6 +417,7 @@ def dry_run(
     code: bool = False,
     tp: int = 1,
     ac: str = "none",
+    offload: str = "none",
 ) -> DryRunResult:
     """Predict one training step of `model` at `world_size` ranks on `device` (module docstring).
 
@@ -416,13 +426,15 @@ def dry_run(
     `mp_policy` defaults to bf16 gathers with fp32 reductions. `batch` / `seq` override a shape's
     per-rank example batch. `code=True` compiles with inductor and keeps its code (the factory must
     then build on the CPU). `tp`: tensor-parallel degree (named shapes; see the module docstring);
-    `ac`: activation checkpointing of every block, one of `AC_POLICIES`. Needs a process without a
-    process group (it makes its own)."""
+    `ac`: activation checkpointing of every block, one of `AC_POLICIES`; `offload`: a tier of
+    `simplefsdp.offload.TIERS`, priced on the trace without it ([Note: pricing the host tier] in
+    `offload_cost.py`). Needs a process without a process group (it makes its own)."""
     profile = resolve_profile(device)  # fail fast on bad input, before tracing anything
     check_optimizer(optimizer)
     check_batch_and_seq(batch=batch, seq=seq)
     if ac not in AC_POLICIES:
         raise ValueError(f"unknown activation checkpointing {ac!r}; known: {', '.join(AC_POLICIES)}")
+    check_tier(profile, offload)
     if tp != 1 and not isinstance(model, (str, ModelShape)):
         raise ValueError("tp > 1 needs a named shape (a factory's model has no tensor-parallel plan here)")
     if mp_policy is None:
@@ -457,5 +469,6 @@ def dry_run(
         ac=ac,
         tokens=shape.example_input(batch=batch, seq=seq).numel() if isinstance(shape, ModelShape) else None,
     )
+    result = with_offload(result, tier=offload, copy_fraction=copy_fraction(mp_policy), reshards=reshards(strategy, ac))
     logger.info("dry run: %s (%.1f s)", result.describe(), result.trace_s)
     return result

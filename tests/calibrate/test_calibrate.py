@@ -115,6 +115,34 @@ def test_quick_calibration_on_two_ranks_round_trips(tmp_path):
     assert roofline_s > 0
     assert compute_s > 0
     assert profile.compute_scale == compute_s / roofline_s
+    # offload's host tier: measured beside a GPU only; on a CPU the host is the device
+    assert (profile.host_link_bytes_per_s, profile.host_memory_bytes_per_s, profile.host_capacity_bytes) == (None,) * 3
+    assert data["measured"]["host_copy"] is None
+
+
+def test_a_host_tier_measured_beside_a_gpu_fits_the_copy_and_step_rates():
+    measured = timings.Measurements(
+        world_size=2,
+        backend="nccl",
+        device="a GPU",
+        matmul_n=1024,
+        matmul_dtype="bfloat16",
+        matmul_s=1e-4,
+        copy_bytes=2**30,
+        copy_s=1e-3,
+        collectives={kind: GROWING for kind in cost.COLLECTIVE_KINDS},
+        overlap_compute_s=1.0,
+        overlap_comm_s=1.0,
+        overlap_both_s=1.5,
+        host_copy=(2**28, 0.01, 0.0125),
+        host_adamw=(2**24, 0.05),
+        host_capacity_bytes=2e11,
+    )
+    profile = profile_from(measured, name="gpu")
+    assert profile.host_link_bytes_per_s == 2**28 / 0.0125, "the slower direction"
+    assert profile.host_memory_bytes_per_s == 7 * 4 * 2**24 / 0.05, "AdamW's bytes read and written per second"
+    assert profile.host_capacity_bytes == 2e11
+    assert "host tier" in calibrate_cli._describe(profile)
 
 
 GROWING = [(4096, 1e-4), (65536, 2e-4), (1 << 20, 1e-3)]

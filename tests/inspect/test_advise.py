@@ -39,10 +39,10 @@ def _numbers(advice) -> list[tuple]:
 @pytest.fixture(scope="module")
 def tiny_w8():
     """Every configuration of "tiny" at world 8 on h100, with a capacity some fit and some do not."""
-    roomy = advise("tiny", world_size=8, device="h100", ac=AC, capacity_bytes=2**30)
+    roomy = advise("tiny", world_size=8, device="h100", ac=AC, capacity_bytes=2**30, offload=("none",))
     peaks = sorted(row.verdict.peak_bytes for row in roomy.rows)
     middle = peaks[len(peaks) // 2]
-    return advise("tiny", world_size=8, device="h100", ac=AC, capacity_bytes=middle / 0.9)
+    return advise("tiny", world_size=8, device="h100", ac=AC, capacity_bytes=middle / 0.9, offload=("none",))
 
 
 @pytest.mark.slow
@@ -101,7 +101,9 @@ def test_the_ranking_does_not_depend_on_the_order_rows_are_costed_in(tiny_w8):
 def test_same_answer_twice_and_in_worker_processes(tiny_w8):
     """A second search, its configurations traced in 2 worker processes ([Note: worker processes] in workers.py),
     ranks the same configurations with the same numbers."""
-    again = advise("tiny", world_size=8, device="h100", ac=AC, capacity_bytes=tiny_w8.capacity_bytes, jobs=2)
+    again = advise(
+        "tiny", world_size=8, device="h100", ac=AC, capacity_bytes=tiny_w8.capacity_bytes, jobs=2, offload=("none",)
+    )
     assert _numbers(again) == _numbers(tiny_w8)
     assert again.traces == tiny_w8.traces
 
@@ -110,11 +112,11 @@ def test_same_answer_twice_and_in_worker_processes(tiny_w8):
 def test_a_bound_above_the_memory_prunes_without_tracing():
     """SHARD_GRAD_OP without checkpointing keeps every gathered weight from forward to backward:
     with less memory than that, its rows are listed as not fitting, with the bound, never traced."""
-    roomy = advise("tiny", world_size=8, device="h100", ac=("none",), capacity_bytes=2**30)
+    roomy = advise("tiny", world_size=8, device="h100", ac=("none",), capacity_bytes=2**30, offload=("none",))
     persistent = roomy.rows[0].result.persistent
     held = persistent.params_bytes + persistent.optimizer_bytes
     tight = held + 1000  # above the shards and optimizer state, below them plus the bf16 weights
-    advice = advise("tiny", world_size=8, device="h100", ac=("none", "full"), capacity_bytes=tight)
+    advice = advise("tiny", world_size=8, device="h100", ac=("none", "full"), capacity_bytes=tight, offload=("none",))
     pruned = [row for row in advice.rows if row.pruned]
     assert {(row.choice.strategy, row.choice.ac) for row in pruned} == {(ShardingStrategy.SHARD_GRAD_OP, "none")}
     assert len(pruned) == len(PASS_VARIANTS)
@@ -138,6 +140,7 @@ def test_deep_shapes_extrapolate_from_a_steady_state():
         capacity_bytes=2**30,
         max_traced_blocks=2,
         jobs=2,  # the three rounds of [Note: the search's rounds] over worker processes
+        offload=("none",),  # the tiers are priced on the same traces (test_offload_cost.py)
     )
     assert advice.traces == 1
     default = next(r for r in advice.rows if r.choice.plan == "blocks" and r.choice.prefetch_depth == 1)
@@ -162,6 +165,7 @@ def test_deep_shapes_extrapolate_from_a_steady_state():
         strategies=("FULL_SHARD",),
         capacity_bytes=held + 1,  # above the bound (shards, optimizer state), below any traced peak
         max_traced_blocks=2,
+        offload=("none",),
     )
     assert not any(row.pruned for row in cramped.rows), "the bound alone does not prune FULL_SHARD"
     assert all(row.steady is None and not row.fits for row in cramped.rows)
@@ -188,11 +192,19 @@ def test_choice_renders_the_flags_and_the_wrap_call():
     assert 'BucketConfig(plan="auto", device="h100", memory_budget=0.25)' in auto.wrap_call(
         param_dtype="bf16", reduce_dtype="fp32", profile="h100", shard_size=None
     )
+    for tier, policy in (("optimizer", "OffloadPolicy(parameters=False)"), ("all", "OffloadPolicy()")):
+        offloaded = dataclasses.replace(choice, offload=tier)
+        flags = offloaded.train_flags(param_dtype="bf16", reduce_dtype="fp32", batch=1, seq=8, profile="h100")
+        assert parse_args(flags.split()).offload == tier
+        code = offloaded.wrap_call(param_dtype="bf16", reduce_dtype="fp32", profile="h100", shard_size=None)
+        assert f"offload=simplefsdp.{policy}," in code
+        compile(code, "<wrap call>", "exec")
+    assert "offload" not in choice.wrap_call(param_dtype="bf16", reduce_dtype="fp32", profile="h100", shard_size=None)
 
 
 def test_cli_prints_the_ranking_and_the_winner(capsys):
     argv = ["tiny", "--world", "8", "--device", "h100", "--advise", "--ac", "none", "--device-memory-gib", "1"]
-    assert cli.main([*argv, "--strategy", "FULL_SHARD"]) == 0
+    assert cli.main([*argv, "--strategy", "FULL_SHARD", "--offload", "none"]) == 0
     out = " ".join(capsys.readouterr().out.split())
     assert "6 configurations, 1 traced" in out, "--strategy and --ac restrict the search"
     assert "SHARD_GRAD_OP" not in out
@@ -203,9 +215,26 @@ def test_cli_prints_the_ranking_and_the_winner(capsys):
     assert "built-in 'h100' profile (datasheet numbers" in out
 
 
+def test_where_nothing_fits_on_the_device_it_advises_offloading_with_the_command(capsys):
+    """ "tiny" at world 8: 0.155 MiB a device leaves 0.14 MiB with the margin, under every peak without
+    offload (the smallest, no passes: 0.143 MiB) and above some with a tier (0.10 to 0.13 MiB): the
+    winner offloads, and its command and wrap call say so."""
+    argv = ["tiny", "--world", "8", "--device", "h100", "--advise", "--ac", "none", "--strategy", "FULL_SHARD"]
+    argv += ["--device-memory-gib", str(0.155 / 1024)]
+    assert cli.main(argv) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "18 configurations, 1 traced" in out, "6 pass variants x 3 tiers, priced on one trace"
+    assert "run: FULL_SHARD, AC none, TP 1" in out
+    assert "offloaded to host memory" in out
+    assert "--offload " in out.split("simplefsdp train", 1)[1].split("import torch", 1)[0]
+    assert "offload=simplefsdp.OffloadPolicy(" in out
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
+        (["--offload", "all", "--device", "cpu-gloo", "--device-memory-gib", "1"], "has no host tier"),
+        (["--host-memory-gib", "-1"], "--host-memory-gib must be > 0"),
         (["--tp", "1,3"], "tp degrees must be positive integers dividing the world size 8"),
         (["--tp", "two"], "argument --tp: expected an integer or a comma-separated list such as 1,8; got 'two'"),
         (["--device-memory-gib", "0"], "--device-memory-gib must be > 0"),

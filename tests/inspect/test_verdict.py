@@ -11,7 +11,7 @@ import pytest
 from simplefsdp.inspect import cli
 from simplefsdp.inspect.dryrun import dry_run
 from simplefsdp.inspect.shapes import SHAPES
-from simplefsdp.inspect.verdict import OPTIMIZER, PARAMETERS, memory_verdict
+from simplefsdp.inspect.verdict import OPTIMIZER, PARAMETERS, MemoryVerdict, memory_verdict
 from simplefsdp.passes import cost
 from simplefsdp.passes.collectives import find_collectives
 from simplefsdp.passes.liveness import ACTIVATIONS
@@ -154,3 +154,28 @@ def test_cli_bad_model_or_sizes_are_one_line_naming_them(tmp_path, capsys, argv,
     err = capsys.readouterr().err
     assert err.startswith(f"simplefsdp inspect: error: {message.format(file=file)}"), err
     assert err.count("\n") == 1, err
+
+
+def test_offloaded_bytes_must_fit_the_host_too():
+    """An offload tier's host share is checked against the host's memory with the same margin."""
+    gib = 2**30
+    verdict = MemoryVerdict(
+        device="h100",
+        capacity_bytes=80 * gib,
+        peak_bytes=40 * gib,
+        margin=0.1,
+        parts={},
+        hint="",
+        host_bytes=100 * gib,
+        host_capacity_bytes=200 * gib,
+    )
+    assert verdict.fits
+    assert verdict.line().endswith("100.00 GiB/rank offloaded to host memory (of 200.00 GiB)")
+    small_host = dataclasses.replace(verdict, host_capacity_bytes=105 * gib)  # 100 > 0.9 * 105
+    assert small_host.host_fits is False
+    assert small_host.fits is False
+    assert small_host.line().startswith("does not fit: host memory cannot hold 100.00 GiB/rank")
+    unknown = dataclasses.replace(verdict, host_capacity_bytes=None)
+    assert unknown.fits is None
+    assert "host capacity unknown" in unknown.line()
+    assert dataclasses.replace(verdict, host_bytes=0, host_capacity_bytes=None).fits, "no offload: no host check"

@@ -97,6 +97,7 @@ def test_gradient_copies_are_waited_after_the_last_compute(graphs):
     assert any(wait.args[0] < max(matmuls) for wait in copied_out), "early gradients start copying before the end"
 
 
+@pytest.mark.slow
 def test_without_the_passes_each_copy_is_waited_where_it_starts(fake_world8, graphs):
     """Negative control: the traced order (no passes) waits each copy right after its start."""
     forward = _trace(None).post[0]
@@ -107,6 +108,7 @@ def test_without_the_passes_each_copy_is_waited_where_it_starts(fake_world8, gra
     assert not all(start.next in start.users for start in placed)
 
 
+@pytest.mark.slow
 def test_under_the_optimizer_tier_the_forward_reads_the_device_copies(fake_world8):
     """`OffloadPolicy(parameters=False)`: no copy in the forward (the gathers read the shards the
     device keeps), every gradient copied out in the backward."""
