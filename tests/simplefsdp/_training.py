@@ -281,3 +281,27 @@ def tiny_bias_grads(backend: str) -> tuple[dict[str, torch.Tensor], int]:
     x = torch.randn(4 * dist.get_world_size(), 5, generator=torch.Generator().manual_seed(1))
     step_fn(x.chunk(dist.get_world_size())[dist.get_rank()]).square().mean().backward()
     return {fqn: p.grad.full_tensor() for fqn, p in model.named_parameters()}, pass_of(model).merged
+
+
+def train_composed(backend: str, tier: str) -> Result:
+    """FULL_SHARD with bf16 compute / fp32 reduction, tied embeddings, two micro-batches per step
+    (the first inside `no_sync`), `clip_grad_norm_` at 0.5 and activation checkpointing of every
+    block, offloading `tier` ("none", "optimizer", "all"): what offload composes with, in one run."""
+    torch.manual_seed(0)
+    model = Transformer(dataclasses.replace(ARGS, tie_embeddings=True))
+    simplefsdp.checkpoint_blocks(model)
+    policy = simplefsdp.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    simplefsdp.wrap(model, mp_policy=policy, offload=simplefsdp.OffloadPolicy.of_tier(tier))
+    step_fn = model if backend == "eager" else torch.compile(model, backend=backend)
+    opt = _optimizer(model, "adamw-foreach")
+    norms = []
+    for tokens in batches():
+        local = tokens.chunk(dist.get_world_size())[dist.get_rank()]
+        parts = local.chunk(2)
+        for i, part in enumerate(parts):
+            with simplefsdp.no_sync(model, enabled=i < len(parts) - 1):
+                (loss_fn(step_fn, part) / len(parts)).backward()
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5).item())
+        opt.step()
+        opt.zero_grad()
+    return Result(norms, full_params(model))  # the gradient norms before clipping, in place of losses

@@ -13,6 +13,7 @@ import functools
 import shutil
 
 import pytest
+import torch
 
 import simplefsdp
 from simplefsdp.train.config import parse_args
@@ -87,6 +88,26 @@ def test_offloaded_training_matches_one_process_and_fsdp2_cpu_offload(request, s
     if backend == "inductor" and strategy != "NO_SHARD":
         assert ours.collectives_merged > 0, ours
         assert ours.collectives_moved > 0, ours
+
+
+@pytest.mark.parametrize("tier", fast_first(["all", "optimizer"]))
+def test_offload_composes_with_mixed_precision_tied_weights_accumulation_clipping_and_checkpointing(ranks2, tier):
+    """Eager, 2 ranks, 5 steps of everything at once (`_training.train_composed`): the gradient norms
+    and the parameters are bitwise those of the same run without offload -- offload moves tensors
+    between memories and changes no arithmetic -- and the run moved (a comparison that can fail)."""
+    offloaded, kept = (
+        pool_result[0]
+        for pool_result in (
+            ranks2.run(training.train_composed, "eager", tier),
+            ranks2.run(training.train_composed, "eager", "none"),
+        )
+    )
+    assert offloaded.losses == kept.losses
+    assert all(norm > 0 for norm in kept.losses)
+    initial = training.full_params(training.fresh_model())
+    assert any(not torch.equal(kept.params[fqn], initial[fqn]) for fqn in kept.params if fqn in initial)
+    for fqn, value in kept.params.items():
+        assert torch.equal(offloaded.params[fqn], value), fqn
 
 
 @pytest.mark.slow
