@@ -12,6 +12,7 @@ from simplefsdp.loss_scaling import grad_scaler, needs_loss_scaling
 from simplefsdp.materialize import materialize
 from simplefsdp.mixed_precision import MixedPrecisionPolicy
 from simplefsdp.offload import OffloadPolicy
+from simplefsdp.offload_plan import OffloadPlan, plan_offload
 from simplefsdp.parametrize import sharded_parameters
 from simplefsdp.passes import aot_eager as _register_aot_eager_backend  # noqa: F401  (registers the backend)
 from simplefsdp.passes.fsdp_pass import BucketConfig, PassConfig
@@ -24,6 +25,7 @@ __all__ = [
     "AccelerateSettings",
     "BucketConfig",
     "MixedPrecisionPolicy",
+    "OffloadPlan",
     "OffloadPolicy",
     "PassConfig",
     "ReorderConfig",
@@ -36,6 +38,7 @@ __all__ = [
     "materialize",
     "needs_loss_scaling",
     "no_sync",
+    "plan_offload",
     "reduce_pending",
     "sharded_parameters",
     "wrap",

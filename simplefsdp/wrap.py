@@ -31,6 +31,7 @@ from simplefsdp.offload import (
     on_host,
     refresh_after_load,
 )
+from simplefsdp.offload_plan import OffloadPlan
 from simplefsdp.parametrize import gather_on_access, is_wrapped_module
 from simplefsdp.passes.fsdp_pass import FsdpPass, PassConfig
 from simplefsdp.passes.install import attach_pass
@@ -56,7 +57,7 @@ def wrap(
     reshard_after_forward: bool | None = None,
     reduce_op: ReduceOp = "avg",
     passes: PassConfig | None = PassConfig(),
-    offload: OffloadPolicy | None = None,
+    offload: OffloadPolicy | OffloadPlan | None = None,
 ) -> nn.Module:
     """Shard `model`'s floating-point parameters over `mesh`, in place, and return `model`.
 
@@ -75,7 +76,8 @@ def wrap(
         passes: what `torch.compile(model)` does to the collectives (bucketing, reordering; see
             `simplefsdp.passes`); the default buckets per repeated block, `None` turns the passes off.
         offload: what lives in host memory (`offload.py`): `OffloadPolicy()` keeps the sharded
-            masters, their gradients and the optimizer state there; `None` keeps all on the device.
+            masters, their gradients and the optimizer state there; an `OffloadPlan` a tier per
+            block (`offload_plan.py`); `None` keeps all on the device.
 
     After the call, for every floating-point parameter: `named_parameters()` and `state_dict()`
     yield it under its original name as an `nn.Parameter` holding a DTensor with the strategy's
@@ -110,7 +112,8 @@ def wrap(
         reshard_after_forward=reshard,
         accumulation=Accumulation(),
         wrap_id=next(_WRAP_IDS),
-        host=_host_shard(offload, mesh),
+        offload=offload,
+        host_device=host_device_of(mesh.device_type),
     )
     warn_about_cached_references(model)
     warn_about_eager_modules(model)
@@ -163,7 +166,7 @@ def _check_arguments(
     reshard_after_forward: bool | None,
     reduce_op: str,
     passes: PassConfig | None,
-    offload: OffloadPolicy | None,
+    offload: OffloadPolicy | OffloadPlan | None,
 ) -> tuple[ShardingStrategy, MixedPrecisionPolicy]:
     """The arguments' types and values; returns the strategy and the mixed-precision policy (the
     default one for None)."""
@@ -182,18 +185,18 @@ def _check_arguments(
         raise TypeError(f"mp_policy must be a simplefsdp.MixedPrecisionPolicy, got {type(mp_policy).__name__}")
     if passes is not None and not isinstance(passes, PassConfig):
         raise TypeError(f"passes must be a simplefsdp.PassConfig or None, got {type(passes).__name__}")
-    if offload is not None and not isinstance(offload, OffloadPolicy):
-        raise TypeError(f"offload must be a simplefsdp.OffloadPolicy or None, got {type(offload).__name__}")
+    if offload is not None and not isinstance(offload, (OffloadPolicy, OffloadPlan)):
+        raise TypeError(
+            f"offload must be a simplefsdp.OffloadPolicy, an OffloadPlan or None, got {type(offload).__name__}"
+        )
     return strategy, mp_policy
 
 
-def _host_shard(offload: OffloadPolicy | None, mesh: DeviceMesh) -> HostShard | None:
-    """How gathers reach offloaded shards on `mesh`; None without offload."""
+def _host_shard(offload: OffloadPolicy | None, device: torch.device) -> HostShard | None:
+    """How gathers reach shards offloaded under `offload` (copied to `device`); None without offload."""
     if offload is None:
         return None
-    return HostShard(
-        device=host_device_of(mesh.device_type), pin_memory=offload.pin_memory, keep_device_copy=not offload.parameters
-    )
+    return HostShard(device=device, pin_memory=offload.pin_memory, keep_device_copy=not offload.parameters)
 
 
 def _check_model(
@@ -270,7 +273,13 @@ class _Settings:
     reshard_after_forward: bool
     accumulation: Accumulation
     wrap_id: int  # tells apart the tied parameters of different wrapped models
-    host: HostShard | None  # parameters offloaded to host memory: how gathers reach them
+    offload: OffloadPolicy | OffloadPlan | None  # what lives in host memory
+    host_device: torch.device  # where gathers copy offloaded shards to
+
+    def host_of(self, fqn: str) -> HostShard | None:
+        """How gathers reach the parameter `fqn` if it is offloaded; None if it stays on the device."""
+        policy = self.offload.policy_for(fqn) if isinstance(self.offload, OffloadPlan) else self.offload
+        return _host_shard(policy, self.host_device)
 
 
 def _shard_parameters(model: nn.Module, params: dict[str, nn.Parameter], settings: _Settings) -> bool:
@@ -287,13 +296,16 @@ def _shard_parameters(model: nn.Module, params: dict[str, nn.Parameter], setting
                 continue
             fqn = fqns[id(param)]
             first = id(param) not in sharded
+            host = settings.host_of(fqn)
             if first:
-                sharded[id(param)], layouts[id(param)] = _shard(param, settings, fqn=fqn)
-                if settings.host is not None and settings.host.keep_device_copy:
+                sharded[id(param)], layouts[id(param)] = _shard(param, settings, fqn=fqn, host=host)
+                if host is not None and host.keep_device_copy:
                     dtype = settings.mp_policy.gather_dtype(sharded[id(param)].dtype)
-                    attach_device_copy(sharded[id(param)], device=settings.host.device, dtype=dtype)
+                    attach_device_copy(sharded[id(param)], device=host.device, dtype=dtype)
             tied_key = f"{settings.wrap_id}/{fqn}" if holders[id(param)] > 1 else None
-            specs[name] = _spec(sharded[id(param)], settings, fqn=fqn, tied_key=tied_key, layout=layouts[id(param)])
+            specs[name] = _spec(
+                sharded[id(param)], settings, fqn=fqn, tied_key=tied_key, layout=layouts[id(param)], host=host
+            )
             if first:
                 settings.accumulation.add_parameter(
                     fqn,
@@ -310,7 +322,13 @@ def _shard_parameters(model: nn.Module, params: dict[str, nn.Parameter], setting
 
 
 def _spec(
-    param: nn.Parameter, settings: _Settings, *, fqn: str, tied_key: str | None, layout: TensorParallelLayout | None
+    param: nn.Parameter,
+    settings: _Settings,
+    *,
+    fqn: str,
+    tied_key: str | None,
+    layout: TensorParallelLayout | None,
+    host: HostShard | None,
 ) -> GatherSpec:
     """How the sharded master `param` is gathered and its gradient reduced."""
     return GatherSpec(
@@ -323,12 +341,14 @@ def _spec(
         tied_key=tied_key,
         accumulation=settings.accumulation,
         tp=layout,
-        host=settings.host,
+        host=host,
         device_copy=device_copy_of(param),
     )
 
 
-def _shard(param: nn.Parameter, settings: _Settings, *, fqn: str) -> tuple[nn.Parameter, TensorParallelLayout | None]:
+def _shard(
+    param: nn.Parameter, settings: _Settings, *, fqn: str, host: HostShard | None
+) -> tuple[nn.Parameter, TensorParallelLayout | None]:
     """`param` sharded over the mesh (a TP DTensor: over the mesh and its tp mesh, with its layout),
     cast to its master dtype after sharding (see [Note: full-precision masters] in mixed_precision.py)."""
     mesh = settings.mesh
@@ -344,8 +364,8 @@ def _shard(param: nn.Parameter, settings: _Settings, *, fqn: str) -> tuple[nn.Pa
     else:
         value = distribute_tensor(param.detach(), mesh, placements, src_data_rank=source)
     value = value.to(settings.mp_policy.master_dtype(param.dtype))
-    if settings.host is not None:
-        value = on_host(value, pin_memory=settings.host.pin_memory)
+    if host is not None:
+        value = on_host(value, pin_memory=host.pin_memory)
     sharded = nn.Parameter(value, requires_grad=param.requires_grad)
     sharded.__dict__.update(param.__dict__)  # keep user tags such as `_no_weight_decay`
     return sharded, layout
@@ -357,7 +377,7 @@ def _install_on_root(model: nn.Module, settings: _Settings, *, passes: PassConfi
     settings.mp_policy.install_casts(model)
     if has_tied:
         install_scope(model)
-    if settings.host is not None and settings.host.keep_device_copy:
+    if any(device_copy_of(p) is not None for p in model.parameters()):
         # masters written by load_state_dict reach the copies the device keeps
         model.register_load_state_dict_post_hook(refresh_after_load)
     attach(model, settings.accumulation)

@@ -24,12 +24,15 @@ from rich.console import Console
 from rich.table import Table
 
 import simplefsdp
+from simplefsdp.blocks import find_repeated_blocks
 from simplefsdp.inspect.buckets import module_summary
 from simplefsdp.inspect.dryrun import AC_POLICIES, DryRunResult, dry_run
+from simplefsdp.inspect.offload_cost import copy_fraction, reshards, with_plan
 from simplefsdp.inspect.report import builtin_profile_note
 from simplefsdp.inspect.shapes import SHAPES, ModelShape, model_shape
 from simplefsdp.inspect.verdict import MemoryVerdict, memory_verdict
 from simplefsdp.offload import TIERS
+from simplefsdp.offload_plan import OffloadPlan, offload_units, plan_offload
 from simplefsdp.passes import cost
 from simplefsdp.passes.fsdp_pass import parse_memory_budget
 from simplefsdp.strategy import ShardingStrategy
@@ -127,10 +130,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--offload",
-        choices=TIERS,
+        choices=(*TIERS, "auto"),
         default=None,
-        help="what lives in host memory: optimizer (state, masters, gradients) or all (default none; "
-        "--advise: searches the tiers unless given)",
+        help="what lives in host memory: optimizer (state, masters, gradients) or all; auto: per block, "
+        "as little as meets --device-memory-limit-gib (default none; --advise: searches the tiers unless given)",
+    )
+    parser.add_argument(
+        "--device-memory-limit-gib",
+        type=float,
+        default=None,
+        help="--offload auto: the device memory per rank a step may use (default: the capacity less the margin)",
     )
     parser.add_argument(
         "--host-memory-gib", type=float, default=None, help="host memory per rank (default: the profile's)"
@@ -190,7 +199,7 @@ def run(args: argparse.Namespace) -> DryRunResult:
             reorder = simplefsdp.ReorderConfig(max_in_flight_bytes=int(args.max_in_flight_gib * 2**30))
         bucket = simplefsdp.BucketConfig(plan=plan, device=args.device, memory_budget=args.memory_budget)
         passes = simplefsdp.PassConfig(bucket=bucket, reorder=reorder)
-    return dry_run(
+    result = dry_run(
         _model(args),
         world_size=args.world,
         device=args.device,
@@ -205,7 +214,41 @@ def run(args: argparse.Namespace) -> DryRunResult:
         code=args.code,
         tp=args.tp[0],
         ac=args.ac or "none",
-        offload=args.offload or "none",
+        offload="none" if args.offload in (None, "auto") else args.offload,
+    )
+    if args.offload != "auto":
+        return result
+    return _planned(result, args)
+
+
+def _planned(result: DryRunResult, args: argparse.Namespace) -> DryRunResult:
+    """`--offload auto`: the per-block plan that keeps the step under the limit ([Note: planning
+    offload under a limit] in `offload_plan.py`), priced; everything at "all" when none does (the
+    verdict then says it does not fit)."""
+    model = _model(args)
+    module = model.build() if isinstance(model, ModelShape) else model()[0]
+    units = offload_units(
+        module, blocks=find_repeated_blocks(module), world_size=args.world, mp_policy=_mp_policy(args)
+    )
+    capacity = args.device_memory_gib * 2**30 if args.device_memory_gib else result.device.capacity_bytes
+    if args.device_memory_limit_gib is not None:
+        limit = args.device_memory_limit_gib * 2**30
+    elif capacity is not None:
+        limit = (1.0 - args.margin) * capacity
+    else:
+        raise ValueError("--offload auto needs a device memory: --device-memory-limit-gib or --device-memory-gib")
+    persistent = result.persistent
+    transient = result.peak_bytes - persistent.params_bytes - persistent.optimizer_bytes
+    plan = plan_offload(units, transient_bytes=transient, limit_bytes=limit)
+    if plan is None:
+        plan = OffloadPlan(tiers=tuple((unit.name, "all") for unit in units))
+    strategy = ShardingStrategy.parse(args.strategy or "FULL_SHARD")
+    return with_plan(
+        result,
+        plan,
+        units=units,
+        copy_fraction=copy_fraction(_mp_policy(args)),
+        reshards=reshards(strategy, args.ac or "none"),
     )
 
 
@@ -310,6 +353,8 @@ def _advise(args: argparse.Namespace, console: Console) -> int:
     if args.code:
         raise ValueError("--advise traces on the meta device; --code is for a single dry run")
     fixed = {"--plan": args.plan, "--memory-budget": args.memory_budget, "--max-in-flight-gib": args.max_in_flight_gib}
+    if args.offload == "auto":
+        raise ValueError("--advise searches the offload tiers itself; --offload auto plans one dry run")
     given = [flag for flag, value in fixed.items() if value is not None]
     if given:
         raise ValueError(f"--advise searches the bucket plans and prefetch depths itself; drop {', '.join(given)}")
@@ -324,7 +369,7 @@ def _advise(args: argparse.Namespace, console: Console) -> int:
 
 def _check(args: argparse.Namespace) -> None:
     """What the flags' types do not check, before any work."""
-    for flag in ("device_memory_gib", "host_memory_gib"):
+    for flag in ("device_memory_gib", "host_memory_gib", "device_memory_limit_gib"):
         value = getattr(args, flag)
         if value is not None and not value > 0:
             raise ValueError(f"--{flag.replace('_', '-')} must be > 0, got {value}")

@@ -18,12 +18,14 @@ priced from a result traced without it (`simplefsdp/offload.py`, [Note: two tier
   time; the optimizer step on the host reads masters, gradients and state and writes masters and
   state at the host memory bandwidth; under "optimizer" the refresh of the device copies (the
   compute dtype's bytes, before the next forward) adds its whole time.
-A profile without a host tier (the CPU one: there the host is the device) cannot price one.
+A per-block plan (`offload_plan.py`) is priced the same way, each tier on its blocks' share of the
+parameters. A profile without a host tier (the CPU one: there the host is the device) cannot price one.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -31,13 +33,14 @@ import torch
 from simplefsdp.inspect.memory import Persistent
 from simplefsdp.mixed_precision import MixedPrecisionPolicy
 from simplefsdp.offload import TIERS
+from simplefsdp.offload_plan import OffloadPlan, Unit
 from simplefsdp.passes.cost import DeviceProfile
 from simplefsdp.strategy import ShardingStrategy
 
 if TYPE_CHECKING:  # dryrun.py applies the tiers: it imports this module
     from simplefsdp.inspect.dryrun import DryRunResult
 
-__all__ = ["HostCost", "check_tier", "copy_fraction", "host_cost", "reshards", "with_offload"]
+__all__ = ["HostCost", "check_tier", "copy_fraction", "host_cost", "reshards", "with_offload", "with_plan"]
 
 
 def check_tier(profile: DeviceProfile, tier: str) -> None:
@@ -78,33 +81,60 @@ class HostCost:
         return self.exposed_copy_s + self.host_step_s + self.refresh_s
 
 
-def host_cost(result: DryRunResult, *, tier: str, copy_fraction: float, reshards: bool) -> HostCost:
-    """The host tier `tier` ("optimizer" or "all") priced for `result` (traced without offload)."""
-    check_tier(result.device, tier)
-    if tier == "none":
-        raise ValueError("host_cost prices a host tier: 'optimizer' or 'all'")
-    link, memory = result.device.host_link_bytes_per_s, result.device.host_memory_bytes_per_s
+def host_cost(result: DryRunResult, *, shares: Mapping[str, float], copy_fraction: float, reshards: bool) -> HostCost:
+    """The host tiers priced for `result` (traced without offload): `shares` gives, per tier
+    ("optimizer", "all"), the share of the parameters it holds (their masters' bytes; gradients and
+    optimizer state taken in proportion); the rest stays on the device."""
+    for tier in shares:
+        check_tier(result.device, tier)
+    opt, every = shares.get("optimizer", 0.0), shares.get("all", 0.0)
+    if not (opt >= 0.0 and every >= 0.0 and opt + every <= 1.0 + 1e-9):
+        raise ValueError(f"tier shares must be >= 0 and add up to at most 1, got {dict(shares)}")
+    link, memory = result.device.host_link_bytes_per_s or 1.0, result.device.host_memory_bytes_per_s or 1.0
     held = result.persistent
     master, grads, state = held.params_bytes, held.grads_bytes, held.optimizer_bytes
-    kept = int(master * copy_fraction) if tier == "optimizer" else 0
-    copied_in = 0 if tier == "optimizer" else master * (2 if reshards else 1)
-    copy_s = (copied_in + grads) / link
+    moved, stay = opt + every, max(1.0 - opt - every, 0.0)
+    kept_copy = int(opt * master * copy_fraction)
+    copied_in = every * master * (2 if reshards else 1)
+    copy_s = (copied_in + moved * grads) / link
     compute_s = max(result.step_s - result.exposed_s, 0.0)
     return HostCost(
-        device=Persistent(params_bytes=kept, grads_bytes=grads, optimizer_bytes=0),
-        host_bytes=master + grads + state,
+        device=Persistent(
+            params_bytes=int(stay * master) + kept_copy, grads_bytes=grads, optimizer_bytes=int(stay * state)
+        ),
+        host_bytes=int(moved * (master + grads + state)),
         copy_s=copy_s,
         exposed_copy_s=max(copy_s - compute_s, 0.0),
-        host_step_s=(2 * master + grads + 2 * state) / memory,
-        refresh_s=kept / link,
+        host_step_s=moved * (2 * master + grads + 2 * state) / memory,
+        refresh_s=kept_copy / link,
     )
 
 
 def with_offload(result: DryRunResult, *, tier: str, copy_fraction: float, reshards: bool) -> DryRunResult:
     """`result` (traced without offload) as it runs with `tier` offloaded; "none" returns it as is."""
+    check_tier(result.device, tier)
     if tier == "none":
         return result
-    cost = host_cost(result, tier=tier, copy_fraction=copy_fraction, reshards=reshards)
+    return _priced(result, host_cost(result, shares={tier: 1.0}, copy_fraction=copy_fraction, reshards=reshards), tier)
+
+
+def with_plan(
+    result: DryRunResult, plan: OffloadPlan, *, units: Sequence[Unit], copy_fraction: float, reshards: bool
+) -> DryRunResult:
+    """`result` (traced without offload) as it runs with the per-block `plan` over `units`."""
+    tiers = dict(plan.tiers)
+    total = sum(u.master_bytes for u in units) or 1
+    shares = {
+        tier: sum(u.master_bytes for u in units if tiers.get(u.name) == tier) / total for tier in ("optimizer", "all")
+    }
+    label = ", ".join(f"{plan.count(t)} of {len(units)} units {t}" for t in ("optimizer", "all") if plan.count(t))
+    if not label:
+        return result
+    priced = host_cost(result, shares=shares, copy_fraction=copy_fraction, reshards=reshards)
+    return _priced(result, priced, f"auto ({label})")
+
+
+def _priced(result: DryRunResult, cost: HostCost, label: str) -> DryRunResult:
     transient = result.peak_bytes - result.persistent.params_bytes - result.persistent.optimizer_bytes
     return dataclasses.replace(
         result,
@@ -112,6 +142,6 @@ def with_offload(result: DryRunResult, *, tier: str, copy_fraction: float, resha
         peak_bytes=cost.device.params_bytes + cost.device.optimizer_bytes + transient,
         step_s=result.step_s + cost.added_s,
         exposed_s=result.exposed_s + cost.exposed_copy_s,
-        offload=tier,
+        offload=label,
         host_bytes=cost.host_bytes,
     )

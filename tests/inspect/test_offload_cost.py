@@ -52,7 +52,7 @@ def test_all_moves_parameters_and_state_off_the_device_and_prices_copies_and_the
 
 
 def test_the_optimizer_tier_keeps_a_compute_dtype_copy_and_refreshes_it_once_a_step():
-    priced = host_cost(_result(), tier="optimizer", copy_fraction=0.5, reshards=True)
+    priced = host_cost(_result(), shares={"optimizer": 1.0}, copy_fraction=0.5, reshards=True)
     assert priced.device.params_bytes == 5 * GB
     assert priced.host_bytes == 40 * GB
     assert priced.copy_s == pytest.approx(10 * GB / H100.host_link_bytes_per_s), "gradients out only"

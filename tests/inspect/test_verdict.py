@@ -179,3 +179,15 @@ def test_offloaded_bytes_must_fit_the_host_too():
     assert unknown.fits is None
     assert "host capacity unknown" in unknown.line()
     assert dataclasses.replace(verdict, host_bytes=0, host_capacity_bytes=None).fits, "no offload: no host check"
+
+
+def test_cli_plans_offload_per_block_under_a_limit(capsys):
+    """`--offload auto`: "tiny" at world 8 peaks at 0.21 MiB per rank without offload; under a
+    0.19 MiB limit some of its units offload (the cheapest tier first) and the verdict fits."""
+    argv = ["tiny", "--world", "8", "--offload", "auto", "--rows", "1"]
+    assert cli.main([*argv, "--device-memory-limit-gib", str(0.19 / 1024)]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "offload auto (" in out
+    assert "units optimizer" in out
+    assert "offloaded to host memory" in out
+    assert "fits on h100" in out

@@ -197,7 +197,7 @@ def train_simplefsdp(
     passes: simplefsdp.PassConfig | None = simplefsdp.PassConfig(),
     compile_caches: bool = True,
     cache_dir: str | None = None,
-    offload: simplefsdp.OffloadPolicy | None = None,
+    offload: simplefsdp.OffloadPolicy | simplefsdp.OffloadPlan | None = None,
 ) -> Result:
     """simplefsdp on every rank of the default group; `backend` is "eager" or a torch.compile backend.
 

@@ -39,7 +39,8 @@ def test_tiers_name_the_policies():
 
 
 def test_wrap_takes_an_offload_policy():
-    with pytest.raises(TypeError, match=r"offload must be a simplefsdp\.OffloadPolicy or None, got str"):
+    expected = r"offload must be a simplefsdp\.OffloadPolicy, an OffloadPlan or None, got str"
+    with pytest.raises(TypeError, match=expected):
         simplefsdp.wrap(training.fresh_model(), offload="all")
 
 
@@ -108,6 +109,17 @@ def test_offload_composes_with_mixed_precision_tied_weights_accumulation_clippin
     assert any(not torch.equal(kept.params[fqn], initial[fqn]) for fqn in kept.params if fqn in initial)
     for fqn, value in kept.params.items():
         assert torch.equal(offloaded.params[fqn], value), fqn
+
+
+def test_a_plan_mixing_tiers_trains_like_no_offload(ranks2):
+    """An `OffloadPlan` (a block per tier, the rest on the device): one optimizer steps host and
+    device parameters together; eager, bitwise the run without offload."""
+    plan = simplefsdp.OffloadPlan(tiers=(("layers.0", "optimizer"), ("layers.1", "all")))
+    planned = ranks2.run(training.train_simplefsdp, "FULL_SHARD", "eager", offload=plan)[0]
+    kept = ranks2.run(training.train_simplefsdp, "FULL_SHARD", "eager")[0]
+    assert planned.losses == kept.losses
+    for fqn, value in kept.params.items():
+        assert torch.equal(planned.params[fqn], value), fqn
 
 
 @pytest.mark.slow
