@@ -68,6 +68,16 @@ class OffloadPlan:
     def count(self, tier: str) -> int:
         return sum(t == tier for _, t in self.tiers)
 
+    def summary(self) -> str:
+        """E.g. "optimizer: layers.2, layers.3; all: layers.1" ("nothing offloaded" for an empty plan)."""
+        parts = []
+        for tier in ("optimizer", "all"):
+            names = [name or "(the rest)" for name, t in self.tiers if t == tier]
+            if names:
+                shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+                parts.append(f"{tier}: {shown}")
+        return "; ".join(parts) or "nothing offloaded"
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Unit:

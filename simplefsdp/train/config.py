@@ -86,8 +86,14 @@ class TrainConfig:
     activation_checkpoint: str = _field("none", "checkpoint every block", ("none", "full", "selective"))
     offload: str = _field(
         "none",
-        "host memory holds the optimizer state, masters and gradients (optimizer), and the parameters (all)",
-        TIERS,
+        "host memory holds the optimizer state, masters and gradients (optimizer), and the parameters (all); "
+        "auto: a tier per block, as little as meets device_memory_limit",
+        (*TIERS, "auto"),
+    )
+    device_memory_limit: str = _field(
+        "",
+        "offload auto: device memory per rank a step may use, e.g. 70GiB; default: nine tenths of the "
+        "profile's capacity",
     )
     # checkpoints and output
     checkpoint_dir: str = _field("simplefsdp-checkpoints", "where sharded checkpoints go")
@@ -128,6 +134,8 @@ class TrainConfig:
                 parse_memory_budget(self.memory_budget)
             except ValueError as error:
                 raise ConfigError(str(error)) from None
+        if self.device_memory_limit and self.offload != "auto":
+            raise ConfigError(f"device_memory_limit is for offload auto; got offload {self.offload!r}")
         if self.profile != "auto":
             try:
                 cost.profile(self.profile)

@@ -10,9 +10,11 @@ import functools
 import torch
 import torch.distributed as dist
 
+from simplefsdp.offload_plan import OffloadPlan
 from simplefsdp.ranks import gets_the_result, run_on_ranks, spawn_world, under_torchrun
 from simplefsdp.train.config import ConfigError, TrainConfig, check_world
 from simplefsdp.train.loop import TrainOutcome, check_fresh_start, check_model, train
+from simplefsdp.train.offload_auto import plan_for
 from simplefsdp.writable import check_directory, check_file
 
 __all__ = ["LOGGERS", "check_outputs", "launch"]
@@ -20,9 +22,9 @@ __all__ = ["LOGGERS", "check_outputs", "launch"]
 LOGGERS = ("simplefsdp.train",)  # at INFO on rank 0
 
 
-def _train_rank(config: TrainConfig, device: torch.device) -> TrainOutcome:
+def _train_rank(config: TrainConfig, device: torch.device, *, offload_plan: OffloadPlan | None) -> TrainOutcome:
     check_world(config, dist.get_world_size())
-    return train(config, device=device)
+    return train(config, device=device, offload_plan=offload_plan)
 
 
 def check_outputs(config: TrainConfig) -> None:
@@ -47,12 +49,21 @@ def launch(config: TrainConfig) -> TrainOutcome | None:
     if device_type == "cuda" and not torch.cuda.is_available():
         raise ConfigError("device cuda: no CUDA device is available")
     check_outputs(config)
+    plan = None
     if not under_torchrun():  # fail before spawning; the ranks check again (under torchrun too)
-        check_world(config, spawn_world(config.nproc, device_type))
+        world = spawn_world(config.nproc, device_type)
+        check_world(config, world)
         check_fresh_start(config)
         check_model(config)
+        if config.offload == "auto":
+            plan = plan_for(config, world_size=world, device_type=device_type)
+    elif config.offload == "auto":
+        raise ConfigError(
+            "offload auto plans before the ranks start, which torchrun does not leave room for: run without "
+            "torchrun, or choose a tier (--offload optimizer or all)"
+        )
     return run_on_ranks(
-        functools.partial(_train_rank, config),
+        functools.partial(_train_rank, config, offload_plan=plan),
         nproc=config.nproc,
         device_type=device_type,
         passthrough=(ConfigError,),

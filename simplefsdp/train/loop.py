@@ -162,8 +162,16 @@ def check_model(config: TrainConfig) -> None:
         hf_model.check_weights(model, config.init_from)
 
 
-def build_model(config: TrainConfig, device: torch.device) -> TrainSetup:
-    """The wrapped (and compiled) model, the same on every rank for a given seed."""
+def mp_policy(config: TrainConfig) -> simplefsdp.MixedPrecisionPolicy:
+    reduce = None if config.reduce_dtype == "auto" else DTYPES[config.reduce_dtype]
+    return simplefsdp.MixedPrecisionPolicy(param_dtype=DTYPES[config.param_dtype], reduce_dtype=reduce)
+
+
+def build_model(
+    config: TrainConfig, device: torch.device, *, offload_plan: simplefsdp.OffloadPlan | None = None
+) -> TrainSetup:
+    """The wrapped (and compiled) model, the same on every rank for a given seed; `offload_plan`:
+    what `--offload auto` planned (`offload_auto.py`)."""
     dp_mesh, tp_mesh, dp_rank, dp_size = _meshes(config, device.type)
     torch.manual_seed(config.seed)
     # [Note: --init-from builds no full parameter] in hf_model.py
@@ -179,14 +187,17 @@ def build_model(config: TrainConfig, device: torch.device) -> TrainSetup:
         simplefsdp.checkpoint_blocks(model, blocks=blocks or None, policy=config.activation_checkpoint)
         if not config.verbose:
             drop_benign_torch_warnings()
-    reduce = None if config.reduce_dtype == "auto" else DTYPES[config.reduce_dtype]
+    if config.offload == "auto":
+        if offload_plan is None:
+            raise ConfigError("offload auto: the plan is made before the ranks start (not under torchrun)")
+        logger.info("offload auto: %s", offload_plan.summary())
     simplefsdp.wrap(
         model,
         dp_mesh,
         strategy=config.sharding,
-        mp_policy=simplefsdp.MixedPrecisionPolicy(param_dtype=DTYPES[config.param_dtype], reduce_dtype=reduce),
+        mp_policy=mp_policy(config),
         passes=_passes(config, profile_name(config, device), blocks),
-        offload=simplefsdp.OffloadPolicy.of_tier(config.offload),
+        offload=offload_plan if config.offload == "auto" else simplefsdp.OffloadPolicy.of_tier(config.offload),
     )
     if config.init_from:
         hf_model.allocate_shards(model, device)
@@ -301,10 +312,12 @@ def _save(config: TrainConfig, setup: TrainSetup, optim: _Optimization, batches:
     )
 
 
-def train(config: TrainConfig, *, device: torch.device) -> TrainOutcome:
+def train(
+    config: TrainConfig, *, device: torch.device, offload_plan: simplefsdp.OffloadPlan | None = None
+) -> TrainOutcome:
     """Run the steps from the resumed (or first) step to `config.steps`; see the module docstring."""
     check_fresh_start(config)
-    setup = build_model(config, device)
+    setup = build_model(config, device, offload_plan=offload_plan)
     optim = _Optimization(
         torch.optim.AdamW(setup.model.parameters(), lr=config.lr), simplefsdp.grad_scaler(setup.model)
     )

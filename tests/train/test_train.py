@@ -89,3 +89,26 @@ def test_resume_continues_step_count_and_loss_curve(first_run, tmp_path):
     assert "[rank 1]" not in done.stderr
     assert "context_fn" not in done.stderr
     assert "Warning" not in done.stderr, done.stderr
+
+
+def test_offload_auto_plans_before_the_ranks_and_offloads_as_little_as_the_limit_needs(tmp_path):
+    """`--offload auto` with a limit a little under the predicted step: the last block alone goes to
+    the optimizer tier (the planner's rule: the cheapest tier, the latest block among equal savings),
+    the ranks wrap with that plan and train."""
+    from simplefsdp.train.config import parse_args
+    from simplefsdp.train.offload_auto import predicted
+
+    units, transient = predicted(parse_args([*TINY, "--backend", "eager"]), world_size=2, device_type="cpu")
+    blocks = [u for u in units if u.name.startswith("layers.")]
+    everything = transient + sum(u.kept("none") for u in units)
+    saving = blocks[-1].kept("none") - blocks[-1].kept("optimizer")
+    limit = f"{everything - saving // 2}B"
+    done = _train(
+        "--offload", "auto", "--device-memory-limit", limit, "--steps", "3", "--backend", "eager",
+        "--checkpoint-dir", str(tmp_path / "ckpt"), "--no-progress", cwd=tmp_path,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert f"offload auto: optimizer: {blocks[-1].name}\n" in done.stderr + done.stdout
+    too_small = _train("--offload", "auto", "--device-memory-limit", "1KiB", "--steps", "1", cwd=tmp_path)
+    assert too_small.returncode == 2
+    assert "offload auto: even with everything offloaded a step needs" in too_small.stderr
