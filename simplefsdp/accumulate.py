@@ -86,6 +86,9 @@ class _Tracked:
     param: DTensor
     grad_dtype: torch.dtype
     reduce: Callable[[torch.Tensor], None]
+    # an offloaded parameter (`offload.py`): where its gathered value and so its sink live, and the
+    # host memory its deferred sums are kept in, with its gradients; None: the parameter's device
+    compute_device: torch.device | None = None
 
 
 @dataclasses.dataclass(eq=False)
@@ -122,10 +125,17 @@ class Accumulation:
         return pending
 
     def add_parameter(
-        self, fqn: str, param: DTensor, *, grad_dtype: torch.dtype, reduce: Callable[[torch.Tensor], None]
+        self,
+        fqn: str,
+        param: DTensor,
+        *,
+        grad_dtype: torch.dtype,
+        reduce: Callable[[torch.Tensor], None],
+        compute_device: torch.device | None = None,
     ) -> None:
-        """Track `param`, whose deferred gradient accumulates in `grad_dtype` and is reduced by `reduce`."""
-        self.params[fqn] = _Tracked(param, grad_dtype, reduce)
+        """Track `param`, whose deferred gradient accumulates in `grad_dtype` and is reduced by `reduce`;
+        `compute_device`: an offloaded parameter's (its sums then stay in host memory)."""
+        self.params[fqn] = _Tracked(param, grad_dtype, reduce, compute_device)
 
     def make_sinks(self) -> None:
         """A sink per parameter on its current device (built once, so compiled graphs see the same
@@ -133,7 +143,7 @@ class Accumulation:
         the full shape in the gradient dtype, one element of storage."""
         for fqn, tracked in self.params.items():
             param = tracked.param
-            device = param.to_local().device
+            device = tracked.compute_device or param.to_local().device
             if fqn not in self.sinks or self.sinks[fqn].device != device:
                 sink = torch.empty_strided(param.shape, (0,) * param.ndim, dtype=tracked.grad_dtype, device=device)
                 self.sinks[fqn] = sink.requires_grad_()
@@ -155,6 +165,8 @@ class Accumulation:
         for fqn, sink in self.sinks.items():
             if sink.grad is not None:
                 grad, sink.grad = sink.grad, None
+                if self.params[fqn].compute_device is not None:  # offloaded: with the gradients, on the host
+                    grad = grad.to("cpu")
                 self.pending[fqn] = self.pending[fqn] + grad if fqn in self.pending else grad
         self.watched = {}
         for fqn in self.pending:
@@ -205,7 +217,7 @@ class _AddPending(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        with_sum = grad + ctx.pending
+        with_sum = grad + ctx.pending.to(grad.device)  # an offloaded parameter's sum comes from the host
         ctx.pending.zero_()
         return with_sum, None
 

@@ -18,7 +18,8 @@ wait, [Note: where offload copies sit] in `passes/reorder.py`). Under FULL_SHARD
 re-gather copies the shard again: the copy sits inside the checkpointed gather, so the step saves
 no device copy of an offloaded shard for backward. No kernel reads host memory: compute, casts and
 collectives see device tensors only. On a CPU mesh the host is the device and the copies are
-identity copies; the graph is the same.
+identity copies; the graph is the same. The sums `no_sync` defers live with the gradients, in host
+memory (`accumulate.py`).
 
 [Note: two tiers]
 The optimizer steps the objects `model.parameters()` yields, and creates its state beside them; a

@@ -312,6 +312,7 @@ def _shard_parameters(model: nn.Module, params: dict[str, nn.Parameter], setting
                     sharded[id(param)],
                     grad_dtype=specs[name].reduce_dtype,
                     reduce=functools.partial(reduce_deferred, sharded[id(param)], specs[name]),
+                    compute_device=None if host is None else host.device,
                 )
         for name in specs:
             module._parameters[name] = sharded[id(module._parameters[name])]

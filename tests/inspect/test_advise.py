@@ -215,6 +215,7 @@ def test_cli_prints_the_ranking_and_the_winner(capsys):
     assert "built-in 'h100' profile (datasheet numbers" in out
 
 
+@pytest.mark.slow
 def test_where_nothing_fits_on_the_device_it_advises_offloading_with_the_command(capsys):
     """ "tiny" at world 8: 0.155 MiB a device leaves 0.14 MiB with the margin, under every peak without
     offload (the smallest, no passes: 0.143 MiB) and above some with a tier (0.10 to 0.13 MiB): the

@@ -109,6 +109,14 @@ def test_offload_auto_plans_before_the_ranks_and_offloads_as_little_as_the_limit
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     assert f"offload auto: optimizer: {blocks[-1].name}\n" in done.stderr + done.stdout
-    too_small = _train("--offload", "auto", "--device-memory-limit", "1KiB", "--steps", "1", cwd=tmp_path)
-    assert too_small.returncode == 2
-    assert "offload auto: even with everything offloaded a step needs" in too_small.stderr
+
+
+def test_offload_auto_refuses_a_limit_nothing_meets_before_any_rank_starts():
+    from simplefsdp.train.config import ConfigError, parse_args
+    from simplefsdp.train.offload_auto import plan_for
+
+    config = parse_args([*TINY, "--offload", "auto", "--device-memory-limit", "1KiB"])
+    with pytest.raises(ConfigError, match="offload auto: even with everything offloaded a step needs"):
+        plan_for(config, world_size=2, device_type="cpu")
+    with pytest.raises(ConfigError, match="device_memory_limit is for offload auto"):
+        parse_args([*TINY, "--device-memory-limit", "1GiB"])
