@@ -9,7 +9,7 @@ see the finished copy and returns the destination. Host-to-device copies feed an
 to its all-gather, device-to-host copies take a reduced gradient shard back to host memory
 (`simplefsdp/offload.py`). Between the two ops the graph may run anything: the reorder pass puts
 a start ahead of earlier compute and a wait right before the first use
-([Note: where offload copies sit] in `passes/reorder.py`).
+([Note: where offload copies sit] in `passes/host_copies.py`).
 
 On a CUDA device (either end):
 - host to device: the copy runs on a side stream, after the work the current stream had queued

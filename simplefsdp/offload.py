@@ -2,11 +2,11 @@
 
     model = simplefsdp.wrap(model, mesh, offload=simplefsdp.OffloadPolicy())
 
-With parameters offloaded, each sharded master lives in host memory (pinned when the mesh is on
-CUDA) and its gradient lands there: the optimizer built on `model.parameters()` then creates its
-state on the host and steps there (torch's CPU kernels), and the next forward copies the updated
-shard to the device. Device memory then holds no parameter, gradient or optimizer state between
-steps, only what a step gathers and computes.
+Offloaded, each sharded master lives in host memory (pinned when the mesh is on CUDA) and its
+gradient lands there: the optimizer built on `model.parameters()` then creates its state on the
+host and steps there (torch's CPU kernels). Under `OffloadPolicy()` the next forward copies the
+updated shard to the device, and device memory holds no parameter, gradient or optimizer state
+between steps, only what a step gathers and computes ([Note: two tiers] for the other tier).
 
 In a step, each gather of an offloaded parameter reads its shard through a copy:
 
@@ -14,7 +14,7 @@ In a step, each gather of an offloaded parameter reads its shard through a copy:
     backward: reduce-scatter -> [cast to the master dtype] -> copy_start / copy_wait (to the host)
 
 (`kernels/host_copy.py`: an async pair the reorder pass places like a collective's launch and
-wait, [Note: where offload copies sit] in `passes/reorder.py`). Under FULL_SHARD the backward's
+wait, [Note: where offload copies sit] in `passes/host_copies.py`). Under FULL_SHARD the backward's
 re-gather copies the shard again: the copy sits inside the checkpointed gather, so the step saves
 no device copy of an offloaded shard for backward. No kernel reads host memory: compute, casts and
 collectives see device tensors only. On a CPU mesh the host is the device and the copies are
