@@ -204,6 +204,7 @@ def test_choice_renders_the_flags_and_the_wrap_call():
 
 def test_cli_prints_the_ranking_and_the_winner(capsys):
     argv = ["tiny", "--world", "8", "--device", "h100", "--advise", "--ac", "none", "--device-memory-gib", "1"]
+    argv += ["--jobs", "1"]  # one trace: worker processes would cost more than they save
     assert cli.main([*argv, "--strategy", "FULL_SHARD", "--offload", "none"]) == 0
     out = " ".join(capsys.readouterr().out.split())
     assert "6 configurations, 1 traced" in out, "--strategy and --ac restrict the search"
@@ -215,13 +216,12 @@ def test_cli_prints_the_ranking_and_the_winner(capsys):
     assert "built-in 'h100' profile (datasheet numbers" in out
 
 
-@pytest.mark.slow
 def test_where_nothing_fits_on_the_device_it_advises_offloading_with_the_command(capsys):
     """ "tiny" at world 8: 0.155 MiB a device leaves 0.14 MiB with the margin, under every peak without
     offload (the smallest, no passes: 0.143 MiB) and above some with a tier (0.10 to 0.13 MiB): the
     winner offloads, and its command and wrap call say so."""
     argv = ["tiny", "--world", "8", "--device", "h100", "--advise", "--ac", "none", "--strategy", "FULL_SHARD"]
-    argv += ["--device-memory-gib", str(0.155 / 1024)]
+    argv += ["--device-memory-gib", str(0.155 / 1024), "--jobs", "1"]
     assert cli.main(argv) == 0
     out = " ".join(capsys.readouterr().out.split())
     assert "18 configurations, 1 traced" in out, "6 pass variants x 3 tiers, priced on one trace"

@@ -91,24 +91,33 @@ def test_resume_continues_step_count_and_loss_curve(first_run, tmp_path):
     assert "Warning" not in done.stderr, done.stderr
 
 
-def test_offload_auto_plans_before_the_ranks_and_offloads_as_little_as_the_limit_needs(tmp_path):
+def _train_planned(argv: list[str], plan) -> tuple[int, int]:
+    """On a pool rank: the train loop with `plan`, as `launch` hands it to the spawned ranks."""
+    import torch
+
+    from simplefsdp.train.config import parse_args
+    from simplefsdp.train.loop import train
+
+    outcome = train(parse_args(argv), device=torch.device("cpu"), offload_plan=plan)
+    return outcome.start_step, outcome.end_step
+
+
+def test_offload_auto_plans_before_the_ranks_and_offloads_as_little_as_the_limit_needs(ranks2, tmp_path):
     """`--offload auto` with a limit a little under the predicted step: the last block alone goes to
     the optimizer tier (the planner's rule: the cheapest tier, the latest block among equal savings),
-    the ranks wrap with that plan and train."""
+    and the ranks train with that plan."""
     from simplefsdp.train.config import parse_args
-    from simplefsdp.train.offload_auto import predicted
+    from simplefsdp.train.offload_auto import plan_for, predicted
 
     units, transient = predicted(parse_args([*TINY, "--backend", "eager"]), world_size=2, device_type="cpu")
     blocks = [u for u in units if u.name.startswith("layers.")]
     everything = transient + sum(u.kept("none") for u in units)
     saving = blocks[-1].kept("none") - blocks[-1].kept("optimizer")
-    limit = f"{everything - saving // 2}B"
-    done = _train(
-        "--offload", "auto", "--device-memory-limit", limit, "--steps", "3", "--backend", "eager",
-        "--checkpoint-dir", str(tmp_path / "ckpt"), "--no-progress", cwd=tmp_path,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr
-    assert f"offload auto: optimizer: {blocks[-1].name}\n" in done.stderr + done.stdout
+    argv = [*TINY, "--offload", "auto", "--device-memory-limit", f"{everything - saving // 2}B", "--steps", "2"]
+    argv += ["--backend", "eager", "--checkpoint-dir", str(tmp_path / "ckpt"), "--no-progress"]
+    plan = plan_for(parse_args(argv), world_size=2, device_type="cpu")
+    assert plan.summary() == f"optimizer: {blocks[-1].name}"
+    assert ranks2.run(_train_planned, argv, plan)[0] == (0, 2)
 
 
 def test_offload_auto_refuses_a_limit_nothing_meets_before_any_rank_starts():
