@@ -65,6 +65,13 @@ class OffloadPlan:
         policy = OffloadPolicy.of_tier(tier)
         return None if policy is None else dataclasses.replace(policy, pin_memory=self.pin_memory)
 
+    def check_units(self, model: nn.Module) -> None:
+        """`ValueError` naming every unit of the plan that is no module of `model`."""
+        modules = dict(model.named_modules())
+        unknown = [name for name, _ in self.tiers if name != REST and name not in modules]
+        if unknown:
+            raise ValueError(f"OffloadPlan names blocks {unknown} that are no modules of {type(model).__name__}")
+
     def count(self, tier: str) -> int:
         return sum(t == tier for _, t in self.tiers)
 

@@ -102,7 +102,7 @@ def wrap(
         offload=offload,
     )
     params = _floating_params(model)
-    mesh = _check_model(model, params, mesh, strategy, passes=passes)
+    mesh = _check_model(model, params, mesh, strategy, passes=passes, offload=offload)
     reshard = strategy.reshard_after_forward if reshard_after_forward is None else reshard_after_forward
     settings = _Settings(
         mesh=mesh,
@@ -206,12 +206,15 @@ def _check_model(
     strategy: ShardingStrategy,
     *,
     passes: PassConfig | None,
+    offload: OffloadPolicy | OffloadPlan | None,
 ) -> DeviceMesh:
-    """Everything about the model, the mesh and the bucket patterns that could fail, before anything
-    changes; returns the mesh."""
+    """Everything about the model, the mesh, the bucket patterns and an offload plan's blocks that
+    could fail, before anything changes; returns the mesh."""
     _check_wrappable(model, params, mesh)
     if passes is not None and passes.bucket is not None and passes.bucket.plan == "patterns":
         validate_patterns(passes.bucket.patterns, model)
+    if isinstance(offload, OffloadPlan):
+        offload.check_units(model)
     mesh = resolve_mesh(mesh, strategy=strategy, device_type=_device_type(params))
     _check_devices(params, mesh)
     for fqn, param in params.items():

@@ -96,6 +96,14 @@ def test_units_split_a_model_by_block_and_rank_share():
     )
 
 
+def test_wrap_refuses_a_plan_naming_a_block_the_model_lacks(fake_world8):
+    model = Transformer(ARGS)
+    plan = OffloadPlan(tiers=(("layers.0", "all"), ("layer.1", "optimizer")))
+    with pytest.raises(ValueError, match=r"OffloadPlan names blocks \['layer.1'\] that are no modules of Transformer"):
+        simplefsdp.wrap(model, offload=plan)
+    assert not any(isinstance(p, torch.distributed.tensor.DTensor) for p in model.parameters()), "left as it was"
+
+
 def test_wrap_applies_a_plan_block_by_block(fake_world8):
     from torch.distributed.device_mesh import init_device_mesh
 
