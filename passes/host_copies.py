@@ -21,20 +21,26 @@ result), so a move never drags compute across the graph and the graph stays topo
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from torch import fx
 
 from simplefsdp.kernels.host_copy import COPY_WAIT, is_copy_start
-from simplefsdp.passes.collectives import is_data_movement, is_view_of_input
+from simplefsdp.passes.collectives import is_data_movement
 from simplefsdp.passes.walk import upstream
 
 __all__ = ["place_host_copies"]
 
 
-def place_host_copies(graph: fx.Graph, gather_chains: Sequence[Sequence[fx.Node]]) -> int:
+def place_host_copies(
+    graph: fx.Graph,
+    gather_chains: Sequence[Sequence[fx.Node]],
+    *,
+    landing: Callable[[fx.Node], tuple[list[fx.Node], list[fx.Node]]],
+) -> int:
     """Place the copies of `graph` as [Note: where offload copies sit] says; `gather_chains` are the
-    launch chains of the graph's all-gathers (each ending in its launch), in order of first use.
+    launch chains of the graph's all-gathers (each ending in its launch), in order of first use;
+    `landing(wait)` is the reorder pass's (the views unpacking a wait's result, and its other users).
     Returns how many copies moved."""
     moved = 0
     in_chains = {node for chain in gather_chains for node in chain}
@@ -48,9 +54,9 @@ def place_host_copies(graph: fx.Graph, gather_chains: Sequence[Sequence[fx.Node]
     for wait in graph.find_nodes(op="call_function", target=COPY_WAIT):
         if wait in in_chains:
             continue
-        landing, consumers = _landing(wait)
+        unpacked, consumers = landing(wait)
         if consumers and wait.next is not min(consumers):
-            for node in sorted([wait, *landing]):
+            for node in sorted([wait, *unpacked]):
                 min(consumers).prepend(node)
             moved += 1
     return moved
@@ -63,18 +69,3 @@ def _copy_starts(chain: Sequence[fx.Node]) -> set[fx.Node]:
         found.add(start)
         found.update(upstream(start, through=is_data_movement).inside)
     return found
-
-
-def _landing(wait: fx.Node) -> tuple[list[fx.Node], list[fx.Node]]:
-    """(the views of `wait`'s result, fed by nothing else; the other users of `wait` and of those views)."""
-    landing, consumers, todo = [], [], list(wait.users)
-    while todo:
-        node = todo.pop()
-        if node in landing or node in consumers:
-            continue
-        if node.op == "call_function" and is_view_of_input(node) and node.all_input_nodes[0] in (wait, *landing):
-            landing.append(node)
-            todo.extend(node.users)
-        else:
-            consumers.append(node)
-    return landing, consumers

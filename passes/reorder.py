@@ -282,7 +282,7 @@ def reorder(
         after = lifetimes.peak()
         if after <= before + allowance:
             ordered = sorted(gathers, key=lambda g: min(g.consumers))
-            place_host_copies(graph, [[*g.chain, g.launch] for g in ordered])
+            place_host_copies(graph, [[*g.chain, g.launch] for g in ordered], landing=_landing)
             return ReorderResult(
                 moved=moved, peak_before=before, peak_after=after, allowance=allowance, budgets=budgets
             )

@@ -129,7 +129,12 @@ class _ToDevice(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        return COPY_WAIT(COPY_START(grad, ctx.host, ctx.pin_memory), grad), None, None
+        return _to_host(ctx, grad), None, None
+
+
+def _to_host(ctx, grad: torch.Tensor) -> torch.Tensor:
+    """The gradient of an offloaded shard, copied to where the shard lives."""
+    return COPY_WAIT(COPY_START(grad, ctx.host, ctx.pin_memory), grad)
 
 
 class _FromDeviceCopy(torch.autograd.Function):
@@ -143,7 +148,7 @@ class _FromDeviceCopy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        return COPY_WAIT(COPY_START(grad, ctx.host, ctx.pin_memory), grad), None, None
+        return _to_host(ctx, grad), None, None
 
 
 def to_device(param: DTensor, where: HostShard, device_copy: torch.Tensor | None = None) -> DTensor:
