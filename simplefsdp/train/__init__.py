@@ -5,7 +5,8 @@
 
 Files: `config.py` (settings, TOML, flags), `data.py` (embedded corpus, resumable batches),
 `loop.py` (model, steps, checkpoints), `hf_model.py` (`--model`: Hugging Face causal LMs, `--init-from`),
-`comm.py` (the communication summary), `launch.py` (torchrun or spawn), `cli.py` (the command).
+`comm.py` (the communication summary), `output.py` (rank 0's bar, summary line and run folder),
+`plot.py` (the loss curve), `launch.py` (torchrun or spawn), `cli.py` (the command).
 """
 
 from simplefsdp.train.config import ConfigError, TrainConfig, parse_args

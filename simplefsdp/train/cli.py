@@ -49,5 +49,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         if outcome.end_step <= outcome.start_step:
             done = f"no steps to train (at step {outcome.start_step} of {config.steps})"
         exported = f"; full weights in {config.export_dir}" if config.export_dir else ""
-        print(f"{done}; checkpoints in {config.checkpoint_dir}{exported}", file=sys.stderr)
+        where = f"checkpoints in {config.checkpoint_dir}, run folder {config.run_path}{exported}"
+        print(f"{done}; {where}", file=sys.stderr)
     return 0

@@ -32,7 +32,16 @@ except ImportError:  # Python 3.10
 from simplefsdp.offload import TIERS
 from simplefsdp.strategy import ShardingStrategy
 
-__all__ = ["DTYPES", "ConfigError", "TrainConfig", "check_world", "load_accelerate", "load_toml", "parse_args"]
+__all__ = [
+    "DTYPES",
+    "ConfigError",
+    "TrainConfig",
+    "check_world",
+    "load_accelerate",
+    "load_toml",
+    "parse_args",
+    "to_toml",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -101,7 +110,13 @@ class TrainConfig:
     keep_last: int = _field(2, "checkpoints kept")
     resume: bool = _field(False, "continue from the newest checkpoint in checkpoint_dir (if any)")
     export_dir: str = _field("", "at the end, write the full weights here as safetensors (a model directory)")
-    metrics_file: str = _field("", "append one JSON line per step (step, loss, tokens/s) to this file")
+    run_dir: str = _field(
+        "",
+        "the run folder: config.toml, metrics.jsonl, loss.png (and tensorboard/); default: checkpoint_dir/run",
+    )
+    metrics_file: str = _field("", "also append the run folder's per-step JSON lines to this file")
+    plot_every: int = _field(50, "rewrite the run folder's loss.png every N steps (and at the end); 0: at the end")
+    tensorboard: bool = _field(False, "also write TensorBoard event files to the run folder (needs tensorboard)")
     progress: bool = _field(True, "progress bar on rank 0 (else one log line per 10 steps)")
     verbose: bool = _field(False, "every rank's warnings, and torch's warnings known benign for this model")
 
@@ -114,7 +129,7 @@ class TrainConfig:
         for name in positive:
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1; got {getattr(self, name)}")
-        for name in ("steps", "nproc", "shard_size", "checkpoint_every", "prefetch_depth"):
+        for name in ("steps", "nproc", "shard_size", "checkpoint_every", "prefetch_depth", "plot_every"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0; got {getattr(self, name)}")
         if self.lr <= 0 or self.bucket_cap_mib <= 0:
@@ -145,6 +160,11 @@ class TrainConfig:
     @property
     def sharding(self) -> ShardingStrategy:
         return ShardingStrategy.parse(self.strategy)
+
+    @property
+    def run_path(self) -> Path:
+        """The run folder: `run_dir`, or `run` in the checkpoint directory."""
+        return Path(self.run_dir) if self.run_dir else Path(self.checkpoint_dir) / "run"
 
     def device_type(self) -> str:
         if self.device == "auto":
@@ -193,6 +213,28 @@ def load_toml(path: str | Path) -> dict[str, Any]:
     if unknown:
         raise ConfigError(f"config file {path}: unknown keys {unknown}; known: {', '.join(fields)}")
     return {k: _check_type(k, v, _TYPES[fields[k].type], f"config file {path}") for k, v in document.items()}
+
+
+def _toml_string(text: str) -> str:
+    """`text` as a TOML basic string: quotes, backslashes and control characters escaped."""
+    escapes = {'"': '\\"', "\\": "\\\\", "\b": "\\b", "\t": "\\t", "\n": "\\n", "\f": "\\f", "\r": "\\r"}
+    out = (escapes.get(c) or (f"\\u{ord(c):04x}" if ord(c) < 0x20 or ord(c) == 0x7F else c) for c in text)
+    return '"' + "".join(out) + '"'
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return _toml_string(value)
+    return repr(value)  # int, or float: Python's repr (1e-05, inf, nan) is TOML's syntax too
+
+
+def to_toml(config: TrainConfig) -> str:
+    """Every setting of `config` as a flat TOML file that `parse_args(["--config", path])` reads back
+    into an equal `TrainConfig`."""
+    lines = [f"{name} = {_toml_value(getattr(config, name))}" for name in _fields()]
+    return "\n".join(lines) + "\n"
 
 
 class _Parser(argparse.ArgumentParser):

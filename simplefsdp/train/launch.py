@@ -6,6 +6,7 @@ outcome = launch(config)   # rank 0's TrainOutcome
 from __future__ import annotations
 
 import functools
+import importlib.util
 
 import torch
 import torch.distributed as dist
@@ -29,12 +30,16 @@ def _train_rank(config: TrainConfig, device: torch.device, *, offload_plan: Offl
 
 def check_outputs(config: TrainConfig) -> None:
     """ConfigError unless the run can write where it was told to: the checkpoint directory (every
-    rank writes its shards), and on the rank that writes them the export directory (at the end) and
-    the metrics file. Made before any work, so a bad path does not cost the training."""
+    rank writes its shards), and on the rank that writes them the export directory (at the end), the
+    run folder and the metrics file; with `tensorboard`, that its package is installed. Made before
+    any work, so a bad path or a missing package does not cost the training."""
     outputs = [(check_directory, config.checkpoint_dir, "checkpoint_dir")]
     if gets_the_result():
         outputs.append((check_directory, config.export_dir, "export_dir"))
+        outputs.append((check_directory, str(config.run_path), "run_dir"))
         outputs.append((check_file, config.metrics_file, "metrics_file"))
+        if config.tensorboard and importlib.util.find_spec("tensorboard") is None:
+            raise ConfigError("tensorboard: the tensorboard package is not installed (pip install tensorboard)")
     try:
         for check, path, name in outputs:
             if path:

@@ -5,7 +5,7 @@
 Builds the mesh `([replicate, shard] | dp) x [tp]`, the model (TP-parallelized when `tp > 1`,
 blocks checkpointed on request), wraps it with `simplefsdp.wrap`, compiles it, then runs AdamW
 steps on `TokenBatches`, saving a sharded checkpoint every `checkpoint_every` steps and at the
-end. Rank 0 shows the progress bar and writes the metrics file.
+end. Rank 0 prints a summary line, shows the progress bar and keeps the run folder (`output.py`).
 
 With float16 gathers or reductions (`--param-dtype fp16`, `--reduce-dtype fp16`) the loss is
 scaled (`simplefsdp.grad_scaler`, [Note: float16 needs loss scaling] in `loss_scaling.py`): scale,
@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import logging
+import math
 import statistics
 import sys
 import time
@@ -37,7 +37,6 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.distributed.tensor.parallel import parallelize_module
-from tqdm import tqdm
 
 import simplefsdp
 from simplefsdp import checkpoint
@@ -51,6 +50,7 @@ from simplefsdp.passes.install import pass_of
 from simplefsdp.train import comm, hf_model
 from simplefsdp.train.config import DTYPES, ConfigError, TrainConfig
 from simplefsdp.train.data import CORPUS, VOCAB, TokenBatches
+from simplefsdp.train.output import RunOutput, summary_line
 from simplefsdp.train.quiet import drop_benign_torch_warnings
 
 __all__ = ["TrainOutcome", "build_model", "check_model", "train"]
@@ -81,9 +81,9 @@ class TrainSetup:
     corpus: torch.Tensor | None  # the corpus in the model's tokens; None: the built-in model's characters
 
 
-def _meshes(config: TrainConfig, device_type: str) -> tuple[DeviceMesh, DeviceMesh | None, int, int]:
-    """(data-parallel mesh, tp mesh or None, dp rank, dp size) over the whole world."""
-    dp = dist.get_world_size() // config.tp
+def mesh_dims(config: TrainConfig, world_size: int) -> list[tuple[str, int]]:
+    """(name, size) of each dimension of the run's device mesh: `([replicate, shard] | dp) x [tp]`."""
+    dp = world_size // config.tp
     if config.sharding.is_hybrid:
         shard = config.shard_size or dp // 2
         dims = [("replicate", dp // shard), ("shard", shard)]
@@ -91,6 +91,13 @@ def _meshes(config: TrainConfig, device_type: str) -> tuple[DeviceMesh, DeviceMe
         dims = [("dp", dp)]
     if config.tp > 1:
         dims.append(("tp", config.tp))
+    return dims
+
+
+def _meshes(config: TrainConfig, device_type: str) -> tuple[DeviceMesh, DeviceMesh | None, int, int]:
+    """(data-parallel mesh, tp mesh or None, dp rank, dp size) over the whole world."""
+    dims = mesh_dims(config, dist.get_world_size())
+    dp = math.prod(size for name, size in dims if name != "tp")
     names = tuple(name for name, _ in dims)
     world = init_device_mesh(device_type, tuple(size for _, size in dims), mesh_dim_names=names)
     dp_names = tuple(name for name in names if name != "tp")
@@ -221,41 +228,6 @@ def check_fresh_start(config: TrainConfig) -> None:
         )
 
 
-class _Output:
-    """Rank 0's progress bar and metrics file; silent on the other ranks."""
-
-    def __init__(self, config: TrainConfig, *, start: int, enabled: bool) -> None:
-        self.enabled, self.every = enabled, 10
-        show = enabled and config.progress
-        self.bar = tqdm(total=config.steps, initial=start, disable=not show, file=sys.stderr, unit="step")
-        self.metrics = open(config.metrics_file, "a") if enabled and config.metrics_file else None  # noqa: SIM115
-
-    def step(self, record: dict[str, Any], *, compiling: bool) -> None:
-        if not self.enabled:
-            return
-        rate = "compile" if compiling else f"{record['tokens_per_s']:,.0f} tok/s"
-        scale = f" | scale {record['loss_scale']:g}" if "loss_scale" in record else ""
-        self.bar.set_postfix_str(f"loss {record['loss']:.4f} | {rate}{scale}")
-        self.bar.update(1)
-        if self.bar.disable and (record["step"] % self.every == 0 or compiling):
-            logger.info("step %d: loss %.4f, %s (%.2fs)", record["step"], record["loss"], rate, record["seconds"])
-        self.write_metrics(record)
-
-    def write_metrics(self, record: dict[str, Any]) -> None:
-        if self.metrics is not None:
-            self.metrics.write(json.dumps(record) + "\n")
-            self.metrics.flush()
-
-    def say(self, line: str) -> None:
-        if self.enabled:
-            self.bar.write(line, file=sys.stderr)
-
-    def close(self) -> None:
-        self.bar.close()
-        if self.metrics is not None:
-            self.metrics.close()
-
-
 @dataclasses.dataclass(frozen=True)
 class _Optimization:
     """The optimizer and, under float16, its loss scaler (whose state travels with the checkpoint)."""
@@ -333,12 +305,15 @@ def train(
     except ValueError as err:
         raise ConfigError(str(err)) from None
     start = _resume(config, setup, optim, batches)
-    out = _Output(config, start=start, enabled=dist.get_rank() == 0)
+    out = RunOutput(config, start=start, enabled=dist.get_rank() == 0)
+    parameters = sum(p.numel() for p in setup.model.parameters())  # DTensors: their global sizes
+    mesh = mesh_dims(config, dist.get_world_size())
+    out.say(summary_line(config, parameters=parameters, mesh=mesh, tokens_per_step=_tokens(config, setup), start=start))
     if optim.scaler is not None:
         out.say(f"float16: the loss is scaled (initial scale {optim.scaler.get_scale():g}); skipped steps are counted")
     try:
         outcome = _steps(config, setup, optim, batches, out, start=start, device=device)
-        out.write_metrics({"summary": _summary_record(outcome)})
+        out.finish(_summary_record(outcome))
     finally:
         out.close()
     if config.export_dir:
@@ -353,12 +328,12 @@ def _steps(
     setup: TrainSetup,
     optim: _Optimization,
     batches: TokenBatches,
-    out: _Output,
+    out: RunOutput,
     *,
     start: int,
     device: torch.device,
 ) -> TrainOutcome:
-    tokens_per_step = config.batch_per_rank * config.seq_len * setup.dp_size
+    tokens_per_step = _tokens(config, setup)
     losses, rates, summary, skipped = [], [], comm.CommSummary(traced=False), 0
     for step in range(start, config.steps):
         tokens = next(batches).to(device)  # [B, S + 1]
@@ -385,6 +360,7 @@ def _steps(
                 "step %d skipped: an inf or nan in the gradients at loss scale %g", step + 1, scale["loss_scale"]
             )
         record = {"step": step + 1, "loss": value, "seconds": seconds, "tokens_per_s": tokens_per_step / seconds}
+        record.update(_peak_memory(device))
         out.step({**record, **scale, **({"skipped": not stepped} if scale else {})}, compiling=first)
         if first:
             out.say(summary.line())
@@ -398,6 +374,25 @@ def _steps(
         comm=summary,
         skipped_steps=skipped,
     )
+
+
+def _tokens(config: TrainConfig, setup: TrainSetup) -> int:
+    """Tokens per step over all data-parallel ranks."""
+    return config.batch_per_rank * config.seq_len * setup.dp_size
+
+
+def _peak_memory(device: torch.device) -> dict[str, int]:
+    """This rank's memory high-water mark so far: on CUDA the bytes the caching allocator handed out
+    (`peak_memory_bytes`); elsewhere the process's peak resident set (`peak_rss_bytes`: everything
+    the process touched, the Python runtime and torch's libraries included)."""
+    if device.type == "cuda":
+        return {"peak_memory_bytes": torch.cuda.max_memory_allocated(device)}
+    try:
+        import resource
+    except ImportError:  # not a POSIX system: no honest number to give
+        return {}
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return {"peak_rss_bytes": peak if sys.platform == "darwin" else peak * 1024}  # bytes on macOS, KiB on Linux
 
 
 def _forward_backward(step_fn: nn.Module, tokens: torch.Tensor, scaler: ShardedGradScaler | None) -> torch.Tensor:

@@ -54,7 +54,8 @@ def test_loss_falls_and_checkpoints_are_written(first_run):
     assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]
     losses = [r["loss"] for r in records]
     assert losses[-1] < 0.8 * losses[0], losses
-    assert sorted(p.name for p in (root / "ckpt").iterdir()) == ["step_000000003", "step_000000006"]
+    assert sorted(p.name for p in (root / "ckpt").iterdir()) == ["run", "step_000000003", "step_000000006"]
+    assert [r["step"] for r in _records(root / "ckpt" / "run" / "metrics.jsonl")[0]] == [1, 2, 3, 4, 5, 6]
     # the progress output: a bar with loss and tokens/s, and the communication summary after compiling
     assert "tok/s" in done.stderr
     assert "loss" in done.stderr
