@@ -88,7 +88,7 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def test_readme_example_runs_on_one_rank(monkeypatch):
+def test_readme_example_runs_on_one_rank(monkeypatch, capsys):
     """The example's calls, as written, on one gloo rank here; compiled with the debugging backend
     (Dynamo, AOT autograd and simplefsdp's pass; no inductor) so that it takes seconds."""
     assert not dist.is_initialized(), "a process group is left over from another test"
@@ -103,6 +103,9 @@ def test_readme_example_runs_on_one_rank(monkeypatch):
         grads = [p.grad for p in scope["model"].parameters()]
         assert all(g is None for g in grads), "the example ends with opt.zero_grad()"
         assert scope["opt"].state, "the optimizer stepped"
+        printed = re.findall(r"^step (\d): loss (\d+\.\d+)$", capsys.readouterr().out, re.M)
+        assert [int(step) for step, _ in printed] == [1, 2, 3], "the loss of every step"
+        assert float(printed[-1][1]) < float(printed[0][1]), "one batch, three steps: the loss falls"
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
