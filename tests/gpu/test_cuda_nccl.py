@@ -143,6 +143,9 @@ def test_train_command_on_nccl(tmp_path):
     command += ["--steps", "6", "--no-progress"]
     done = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=500, check=False)
     assert done.returncode == 0, done.stderr
-    losses = [r["loss"] for r in map(json.loads, metrics.read_text().splitlines()) if "step" in r]
+    records = [r for r in map(json.loads, metrics.read_text().splitlines()) if "step" in r]
+    losses = [r["loss"] for r in records]
     assert len(losses) == 6
     assert losses[-1] < losses[0]
+    assert all(r["peak_memory_bytes"] > 0 for r in records), "the CUDA allocator's high-water mark"
+    assert (tmp_path / "ckpt" / "run" / "loss.png").is_file()
