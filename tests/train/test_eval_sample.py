@@ -2,14 +2,18 @@
 loop, on 2 ranks of the pool: every step's metrics carry its learning rate and gradient norm, eval
 steps the held-out loss; the run ends with a greedy sample, the same on every rank; and evaluating
 and sampling change nothing in training (the same losses and norms as a run without them). Compiled,
-evaluation adds one graph (the no-grad one) and no recompile of the training step.
+evaluation adds one graph (the no-grad one) and no recompile of the training step. The `--resume`
+run with nothing left to train exits 0 with one line, before any rank starts.
 """
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
+from simplefsdp.cli import main as simplefsdp_main
 from simplefsdp.train.config import TrainConfig
 from simplefsdp.train.data import VOCAB
 from simplefsdp.train.evaluate import EVAL_BATCHES, HeldOut
@@ -62,3 +66,22 @@ def test_compiled_eval_adds_one_graph_and_leaves_the_training_step_compiled(rank
     off = ranks2.run(_eval_ranks.run, str(tmp_path / "off"), backend="aot_eager", sample_tokens=0, steps=3)
     assert [r["loss"] for r in on[0]["records"]] == [r["loss"] for r in off[0]["records"]]
     assert on[0]["graphs"] == 2 * off[0]["graphs"], "the no-grad forward's graphs, once, beside the training step's"
+
+
+def _checkpoint(directory, step: int) -> None:
+    """What `--resume` reads of a checkpoint to find its step: a complete directory's train state."""
+    path = directory / f"step_{step:09d}"
+    path.mkdir(parents=True)
+    (path / "manifest.json").write_text("{}")
+    state = {"step": step, "world_size": 2, "extra": {}, "optimizer": {}, "rng": {}}
+    (path / "train_state.json").write_text(json.dumps(state))
+
+
+def test_resume_past_the_steps_says_so_and_exits_0(tmp_path, capsys):
+    _checkpoint(tmp_path / "ckpt", 150)
+    assert simplefsdp_main(["train", "--resume", "--steps", "120", "--checkpoint-dir", str(tmp_path / "ckpt")]) == 0
+    err = capsys.readouterr().err
+    assert err == (
+        f"simplefsdp train: nothing to train: the newest checkpoint ({tmp_path / 'ckpt' / 'step_000000150'}) "
+        "is at step 150, --steps is 120\n"
+    )
