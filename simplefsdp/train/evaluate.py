@@ -81,8 +81,8 @@ class HeldOut:
 
     batches: tuple[torch.Tensor, ...]  # EVAL_BATCHES x [batch_per_rank, seq_len + 1]
     prompt: torch.Tensor  # [seq_len]: the tail's first tokens
-    limit: int | None
-    decode: Callable[[list[int]], str]
+    limit: int | None  # a sampled token is among the first `limit` logits (the characters); None: any
+    decode: Callable[[list[int]], str]  # token ids -> text
 
     @classmethod
     def of(cls, config: TrainConfig, corpus: torch.Tensor | None, *, dp_rank: int, dp_size: int) -> HeldOut:
