@@ -3,10 +3,12 @@
     from simplefsdp.train import TrainConfig, launch
     outcome = launch(TrainConfig(steps=20, n_layers=2))   # spawns 2 gloo ranks (or uses torchrun's)
 
-Files: `config.py` (settings, TOML, flags), `data.py` (embedded corpus, resumable batches),
-`loop.py` (model, steps, checkpoints), `hf_model.py` (`--model`: Hugging Face causal LMs, `--init-from`),
-`comm.py` (the communication summary), `output.py` (rank 0's bar, summary line and run folder),
-`plot.py` (the loss curve), `launch.py` (torchrun or spawn), `cli.py` (the command).
+Files: `config.py` (settings, TOML, flags), `data.py` (embedded corpus, held-out tail, resumable
+batches), `loop.py` (model, steps, checkpoints), `schedule.py` (learning rate by step),
+`grad_norm.py` (global gradient norm, clipping), `evaluate.py` (held-out loss, text sample),
+`hf_model.py` (`--model`: Hugging Face causal LMs, `--init-from`), `comm.py` (the communication
+summary), `output.py` (rank 0's bar, summary line and run folder), `plot.py` (the loss curve),
+`launch.py` (torchrun or spawn), `cli.py` (the command).
 """
 
 from simplefsdp.train.config import ConfigError, TrainConfig, parse_args

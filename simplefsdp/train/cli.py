@@ -5,8 +5,9 @@
     simplefsdp train --resume                          # continue from the newest checkpoint
     torchrun --nnodes 2 --nproc-per-node 8 ... -m simplefsdp.train   # the ranks torchrun starts
 
-Exit codes: 0 done; 2 a bad flag, config file or setting (one line on stderr, no traceback);
-1 a rank failed while training (its traceback on stderr).
+Exit codes: 0 done, or nothing to do (--resume from a checkpoint at or past --steps: one line on
+stderr says so); 2 a bad flag, config file or setting (one line on stderr, no traceback); 1 a rank
+failed while training (its traceback on stderr).
 """
 
 from __future__ import annotations
@@ -15,9 +16,9 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from simplefsdp.ranks import RankFailedError, setup_rank_logging
+from simplefsdp.ranks import RankFailedError, gets_the_result, setup_rank_logging
 from simplefsdp.train.config import ConfigError, parse_args
-from simplefsdp.train.launch import LOGGERS, launch
+from simplefsdp.train.launch import LOGGERS, launch, nothing_to_train
 
 __all__ = ["main"]
 
@@ -33,6 +34,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         config = parse_args(args)
         setup_rank_logging(loggers=LOGGERS, verbose=config.verbose)  # a torchrun rank: as spawned ones
+        done = nothing_to_train(config)
+        if done is not None:
+            if gets_the_result():  # under torchrun every rank finds it: rank 0 says so
+                print(f"simplefsdp train: {done}", file=sys.stderr)
+            return 0
         outcome = launch(config)
     except ConfigError as err:
         print(f"simplefsdp train: error: {err}", file=sys.stderr)
@@ -46,6 +52,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         done = f"trained steps {outcome.start_step + 1}-{outcome.end_step}: loss {first} -> {last}, {rate}"
         if outcome.skipped_steps:
             done += f" ({outcome.skipped_steps} skipped by float16 loss scaling: an inf or nan in the gradients)"
+        if outcome.eval_loss is not None:
+            done += f", held-out loss {outcome.eval_loss:.4f}"
         if outcome.end_step <= outcome.start_step:
             done = f"no steps to train (at step {outcome.start_step} of {config.steps})"
         exported = f"; full weights in {config.export_dir}" if config.export_dir else ""

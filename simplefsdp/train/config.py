@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import math
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -31,6 +32,7 @@ except ImportError:  # Python 3.10
     import tomli as tomllib
 from simplefsdp.offload import TIERS
 from simplefsdp.strategy import ShardingStrategy
+from simplefsdp.train.schedule import COSINE_FLOOR, SCHEDULES
 
 __all__ = [
     "DTYPES",
@@ -58,7 +60,8 @@ def _field(default: Any, text: str, choices: tuple[str, ...] | None = None) -> A
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class TrainConfig:
-    """One training run. Sizes are per data-parallel rank unless they say otherwise."""
+    """One training run. Sizes are per data-parallel rank unless they say otherwise. Training never
+    reads the corpus's held-out tail (`data.split`), whatever `eval_every` says."""
 
     # model: a Hugging Face causal LM (--model), or a Llama-style decoder (simplefsdp.models.Transformer,
     # the vocabulary the corpus's characters) sized by the next five settings
@@ -73,7 +76,12 @@ class TrainConfig:
     # training
     steps: int = _field(100, "total optimizer steps (a resumed run continues up to this count); 0: load, export")
     batch_per_rank: int = _field(8, "sequences per data-parallel rank per step")
-    lr: float = _field(3e-3, "AdamW learning rate")
+    lr: float = _field(3e-3, "AdamW learning rate (the peak, under a warmup or a schedule)")
+    lr_schedule: str = _field(
+        "constant", f"after the warmup: constant lr, or cosine decay to {COSINE_FLOOR:g} x lr at --steps", SCHEDULES
+    )
+    warmup_steps: int = _field(0, "linear warmup: step k (from 1) of the first N uses lr x k / N; at most steps")
+    grad_clip: float = _field(0.0, "clip the global gradient L2 norm to this (after unscaling); 0: off")
     seed: int = _field(0, "seed of the initialisation and of the batch order")
     # parallelism and compilation
     nproc: int = _field(0, "ranks to spawn when not under torchrun; 0: 2 on CPU, one per GPU")
@@ -117,6 +125,8 @@ class TrainConfig:
     metrics_file: str = _field("", "also append the run folder's per-step JSON lines to this file")
     plot_every: int = _field(50, "rewrite the run folder's loss.png every N steps (and at the end); 0: at the end")
     tensorboard: bool = _field(False, "also write TensorBoard event files to the run folder (needs tensorboard)")
+    eval_every: int = _field(0, "every N steps and at the end, the loss on the held-out tail of the corpus; 0: off")
+    sample_tokens: int = _field(64, "at the end, rank 0 prints this many greedily sampled tokens; 0: no sample")
     progress: bool = _field(True, "progress bar on rank 0 (else one log line per 10 steps)")
     verbose: bool = _field(False, "every rank's warnings, and torch's warnings known benign for this model")
 
@@ -129,9 +139,24 @@ class TrainConfig:
         for name in positive:
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1; got {getattr(self, name)}")
-        for name in ("steps", "nproc", "shard_size", "checkpoint_every", "prefetch_depth", "plot_every"):
+        for name in (
+            "steps",
+            "nproc",
+            "shard_size",
+            "checkpoint_every",
+            "prefetch_depth",
+            "plot_every",
+            "warmup_steps",
+        ):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0; got {getattr(self, name)}")
+        for name in ("eval_every", "sample_tokens"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name} must be >= 0 (0: off); got {getattr(self, name)}")
+        if not self.grad_clip >= 0 or math.isinf(self.grad_clip):  # `not >=`: a nan fails too
+            raise ConfigError(f"grad_clip must be a finite number >= 0 (0: off); got {self.grad_clip}")
+        if self.warmup_steps > self.steps > 0:
+            raise ConfigError(f"warmup_steps ({self.warmup_steps}) must be at most steps ({self.steps})")
         if self.lr <= 0 or self.bucket_cap_mib <= 0:
             raise ConfigError(f"lr and bucket_cap_mib must be positive; got {self.lr} and {self.bucket_cap_mib}")
         if self.dim % self.n_heads or (self.dim // self.n_heads) % 2:

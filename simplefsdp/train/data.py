@@ -5,6 +5,12 @@
 by character, is enough for the loss to fall visibly within a few hundred steps; a real data
 pipeline plugs in where `TokenBatches` is used (`loop.py`).
 
+[Note: the held-out tail]
+The corpus's last tokens -- a tenth of them, or `seq_len + 1` if that is more, so one window fits --
+are held out: `split` gives the two parts, training batches are drawn from the head only, and
+`--eval-every` measures the loss on the tail (`evaluate.py`). The tail is held out whether evaluation
+runs or not, so a run's training data do not depend on it.
+
 Invariants: batch `i` depends only on `(seed, i)`, so the global batch is the same for any world
 size (each data-parallel rank takes its contiguous slice of it) and resuming at position `i` gives
 exactly the batches an uninterrupted run would have drawn; the iterator's whole state is
@@ -13,11 +19,12 @@ exactly the batches an uninterrupted run would have drawn; the iterator's whole 
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
 
-__all__ = ["CORPUS", "VOCAB", "TokenBatches", "encode"]
+__all__ = ["CORPUS", "HELD_OUT_FRACTION", "VOCAB", "TokenBatches", "encode", "split"]
 
 CORPUS = """\
 Sharding a model means that no single worker holds all of it. Each worker keeps one slice of every
@@ -31,6 +38,7 @@ compiler schedule the communication around the computation.
 """
 
 VOCAB = sorted(set(CORPUS))
+HELD_OUT_FRACTION = 0.1  # of the corpus's tokens, at its end: [Note: the held-out tail]
 
 
 def encode(text: str) -> torch.Tensor:
@@ -38,8 +46,21 @@ def encode(text: str) -> torch.Tensor:
     return torch.tensor([VOCAB.index(ch) for ch in text])
 
 
+def split(ids: torch.Tensor, *, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(training head, held-out tail) of the corpus `ids` ([Note: the held-out tail]); ValueError
+    unless both hold a window of `seq_len + 1` tokens (the head: more than one, to draw from)."""
+    held = max(math.ceil(len(ids) * HELD_OUT_FRACTION), seq_len + 1)
+    if len(ids) - held <= seq_len + 1:
+        raise ValueError(
+            f"seq_len ({seq_len}) must be shorter than the corpus's training part ({len(ids) - held} of "
+            f"{len(ids)} tokens; {held} are held out for evaluation)"
+        )
+    return ids[:-held], ids[-held:]
+
+
 class TokenBatches:
-    """`[batch_per_rank, seq_len + 1]` windows of the corpus for one data-parallel rank, batch after batch."""
+    """`[batch_per_rank, seq_len + 1]` windows of the corpus's training head for one data-parallel rank,
+    batch after batch."""
 
     def __init__(
         self,
@@ -51,10 +72,9 @@ class TokenBatches:
         seed: int,
         ids: torch.Tensor | None = None,
     ) -> None:
-        """`ids`: the corpus as token ids (`[N]`, int64); None: its characters (`encode(CORPUS)`)."""
-        self._ids = encode(CORPUS) if ids is None else ids
-        if seq_len + 1 >= len(self._ids):
-            raise ValueError(f"seq_len ({seq_len}) must be shorter than the corpus ({len(self._ids)} tokens)")
+        """`ids`: the corpus as token ids (`[N]`, int64); None: its characters (`encode(CORPUS)`).
+        Batches come from its training head only (`split`)."""
+        self._ids, _ = split(encode(CORPUS) if ids is None else ids, seq_len=seq_len)
         self.seq_len, self.batch_per_rank, self.seed = seq_len, batch_per_rank, seed
         self.dp_rank, self.dp_size = dp_rank, dp_size
         self.position = 0  # batches drawn so far
@@ -65,7 +85,7 @@ class TokenBatches:
     def __next__(self) -> torch.Tensor:
         gen = torch.Generator().manual_seed(self.seed * 1_000_003 + self.position)
         count = self.batch_per_rank * self.dp_size
-        starts = torch.randint(0, len(self._ids) - self.seq_len - 1, (count,), generator=gen)
+        starts = torch.randint(0, len(self._ids) - self.seq_len, (count,), generator=gen)  # the last: S + 1 to the end
         mine = starts.chunk(self.dp_size)[self.dp_rank]
         self.position += 1
         offsets = mine[:, None] + torch.arange(self.seq_len + 1)  # [B, S + 1]

@@ -46,6 +46,7 @@ import contextlib
 import importlib
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -67,6 +68,7 @@ __all__ = [
     "parameters_on_meta",
     "retie",
     "save_config",
+    "tokenizer_of",
 ]
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
@@ -137,11 +139,20 @@ def vocab_size(model: nn.Module) -> int:
     return model.get_input_embeddings().num_embeddings
 
 
+def tokenizer_of(spec: str) -> Any | None:
+    """The tokenizer in the model directory `spec` names, or None (no tokenizer files, or
+    `module:function`): the model then reads the corpus's characters ([Note: which tokens])."""
+    path = directory_of(spec)
+    if path is None or not any((path / name).is_file() for name in TOKENIZER_FILES):
+        return None
+    return _transformers().AutoTokenizer.from_pretrained(path, local_files_only=True)
+
+
 def corpus_ids(spec: str, model: nn.Module) -> torch.Tensor:
     """The embedded corpus as token ids for `model` (see [Note: which tokens])."""
-    path, size = directory_of(spec), vocab_size(model)
-    if path is not None and any((path / name).is_file() for name in TOKENIZER_FILES):
-        tokenizer = _transformers().AutoTokenizer.from_pretrained(path, local_files_only=True)
+    size = vocab_size(model)
+    tokenizer = tokenizer_of(spec)
+    if tokenizer is not None:
         ids = torch.tensor(tokenizer(CORPUS, add_special_tokens=False)["input_ids"])
         if int(ids.max()) >= size:
             raise ConfigError(f"--model {spec}: the tokenizer's ids reach {int(ids.max())}, the vocabulary has {size}")

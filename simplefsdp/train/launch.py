@@ -11,6 +11,8 @@ import importlib.util
 import torch
 import torch.distributed as dist
 
+from simplefsdp import checkpoint
+from simplefsdp.checkpoint.train_state import read_train_state
 from simplefsdp.offload_plan import OffloadPlan
 from simplefsdp.ranks import gets_the_result, run_on_ranks, spawn_world, under_torchrun
 from simplefsdp.train.config import ConfigError, TrainConfig, check_world
@@ -18,7 +20,7 @@ from simplefsdp.train.loop import TrainOutcome, check_fresh_start, check_model, 
 from simplefsdp.train.offload_auto import plan_for
 from simplefsdp.writable import check_directory, check_file
 
-__all__ = ["LOGGERS", "check_outputs", "launch"]
+__all__ = ["LOGGERS", "check_outputs", "launch", "nothing_to_train"]
 
 LOGGERS = ("simplefsdp.train",)  # at INFO on rank 0
 
@@ -46,6 +48,22 @@ def check_outputs(config: TrainConfig) -> None:
                 check(path, name=name)
     except ValueError as err:
         raise ConfigError(str(err)) from None
+
+
+def nothing_to_train(config: TrainConfig) -> str | None:
+    """With --resume and no --export-dir: why the run has nothing to do when the newest checkpoint
+    is at or past `steps` (no rank need start); None otherwise. An unreadable newest checkpoint is
+    left to the ranks' loader, which falls back to an older one."""
+    newest = checkpoint.latest_checkpoint(config.checkpoint_dir) if config.resume else None
+    if newest is None or config.export_dir:
+        return None
+    try:
+        step = int(read_train_state(newest)["step"])
+    except checkpoint.CheckpointError:
+        return None
+    if step < config.steps:
+        return None
+    return f"nothing to train: the newest checkpoint ({newest}) is at step {step}, --steps is {config.steps}"
 
 
 def launch(config: TrainConfig) -> TrainOutcome | None:

@@ -5,13 +5,17 @@
 Builds the mesh `([replicate, shard] | dp) x [tp]`, the model (TP-parallelized when `tp > 1`,
 blocks checkpointed on request), wraps it with `simplefsdp.wrap`, compiles it, then runs AdamW
 steps on `TokenBatches`, saving a sharded checkpoint every `checkpoint_every` steps and at the
-end. Rank 0 prints a summary line, shows the progress bar and keeps the run folder (`output.py`).
+end. Each step's learning rate is `schedule.lr_at` of the step; the global gradient norm is measured
+every step, and clipped with `--grad-clip` (`grad_norm.py`). With `--eval-every` the held-out loss is
+measured every N steps and at the end, and with `--sample-tokens` a greedy sample closes the run
+(`evaluate.py`). Rank 0 prints a summary line, shows the progress bar and keeps the run folder (`output.py`).
 
 With float16 gathers or reductions (`--param-dtype fp16`, `--reduce-dtype fp16`) the loss is
 scaled (`simplefsdp.grad_scaler`, [Note: float16 needs loss scaling] in `loss_scaling.py`): scale,
-backward, then the scaler's step (unscale, the optimizer step unless a gradient holds an inf or
-nan on any rank, then the same skip on every rank) and update. Rank 0 says so once; each step's
-metrics record carries the scale it used and whether it was skipped.
+backward, unscale, the norm and clipping of the true gradients, then the scaler's step (the
+optimizer step unless a gradient holds an inf or nan on any rank, then the same skip on every rank)
+and update. Rank 0 says so once; each step's metrics record carries the scale it used and whether it
+was skipped.
 
 Invariants: every rank runs the same number of steps and the same collectives; a resumed run
 restores the model, the optimizer, the loss scaler, the RNG states and the batch position, so its
@@ -32,7 +36,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
@@ -49,9 +52,12 @@ from simplefsdp.passes.fsdp_pass import parse_memory_budget
 from simplefsdp.passes.install import pass_of
 from simplefsdp.train import comm, hf_model
 from simplefsdp.train.config import DTYPES, ConfigError, TrainConfig
-from simplefsdp.train.data import CORPUS, VOCAB, TokenBatches
+from simplefsdp.train.data import CORPUS, VOCAB, TokenBatches, encode, split
+from simplefsdp.train.evaluate import HeldOut, lm_loss
+from simplefsdp.train.grad_norm import clip_grad_norm, grad_norm
 from simplefsdp.train.output import RunOutput, summary_line
 from simplefsdp.train.quiet import drop_benign_torch_warnings
+from simplefsdp.train.schedule import lr_at
 
 __all__ = ["TrainOutcome", "build_model", "check_model", "train"]
 
@@ -68,6 +74,8 @@ class TrainOutcome:
     tokens_per_s: float | None  # median over the steps after the first of this run
     comm: comm.CommSummary
     skipped_steps: int = 0  # steps the float16 loss scaler skipped (an inf or nan in a gradient)
+    eval_loss: float | None = None  # the held-out loss at the end (--eval-every); None: not measured
+    sample: str = ""  # the text sampled at the end (--sample-tokens); empty: none
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -162,9 +170,10 @@ def check_model(config: TrainConfig) -> None:
     with torch.device("meta"):
         model, corpus = unwrapped_model(config)
     layer_blocks(config, model)
-    length = len(corpus) if corpus is not None else len(CORPUS)
-    if config.seq_len + 1 >= length:
-        raise ConfigError(f"seq_len ({config.seq_len}) must be shorter than the corpus ({length} tokens)")
+    try:
+        split(corpus if corpus is not None else encode(CORPUS), seq_len=config.seq_len)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
     if config.init_from:
         hf_model.check_weights(model, config.init_from)
 
@@ -234,17 +243,33 @@ class _Optimization:
 
     opt: torch.optim.Optimizer
     scaler: ShardedGradScaler | None
+    config: TrainConfig
+    device: torch.device  # where the gradient norm is reduced
 
-    def step(self) -> bool:
-        """The optimizer step (through the scaler: unscale, then step unless skipped on every rank,
-        then update); returns whether the parameters were stepped."""
+    def step(self, index: int) -> tuple[bool, dict[str, float]]:
+        """Optimizer step `index` (0-based) at its scheduled learning rate, after measuring (and with
+        --grad-clip clipping) the global gradient norm of the unscaled gradients; through the scaler
+        under float16 (step unless skipped on every rank, then update). Returns whether the
+        parameters were stepped, and the step's learning rate and gradient norm for the metrics."""
+        c = self.config
+        lr = lr_at(index, lr=c.lr, schedule=c.lr_schedule, warmup_steps=c.warmup_steps, steps=c.steps)
+        for group in self.opt.param_groups:
+            group["lr"] = lr
+        if self.scaler is not None:
+            self.scaler.unscale_(self.opt)  # the scaler's step then uses these gradients as they are
+        params = [p for group in self.opt.param_groups for p in group["params"]]
+        if c.grad_clip:
+            norm = clip_grad_norm(params, max_norm=c.grad_clip, device=self.device)
+        else:
+            norm = grad_norm(params, device=self.device)
+        record = {"lr": lr, "grad_norm": norm.item()}
         if self.scaler is None:
             self.opt.step()
-            return True
+            return True, record
         scale = self.scaler.get_scale()
         self.scaler.step(self.opt)
         self.scaler.update()
-        return self.scaler.get_scale() >= scale  # update() lowers the scale exactly when it skipped
+        return self.scaler.get_scale() >= scale, record  # update() lowers the scale exactly when it skipped
 
     def state(self) -> dict[str, Any]:
         return {} if self.scaler is None else {CHECKPOINT_KEY: self.scaler.state_dict()}
@@ -291,7 +316,7 @@ def train(
     check_fresh_start(config)
     setup = build_model(config, device, offload_plan=offload_plan)
     optim = _Optimization(
-        torch.optim.AdamW(setup.model.parameters(), lr=config.lr), simplefsdp.grad_scaler(setup.model)
+        torch.optim.AdamW(setup.model.parameters(), lr=config.lr), simplefsdp.grad_scaler(setup.model), config, device
     )
     try:
         batches = TokenBatches(
@@ -304,6 +329,7 @@ def train(
         )
     except ValueError as err:
         raise ConfigError(str(err)) from None
+    held = HeldOut.of(config, setup.corpus, dp_rank=setup.dp_rank, dp_size=setup.dp_size)
     start = _resume(config, setup, optim, batches)
     out = RunOutput(config, start=start, enabled=dist.get_rank() == 0)
     parameters = sum(p.numel() for p in setup.model.parameters())  # DTensors: their global sizes
@@ -312,7 +338,13 @@ def train(
     if optim.scaler is not None:
         out.say(f"float16: the loss is scaled (initial scale {optim.scaler.get_scale():g}); skipped steps are counted")
     try:
-        outcome = _steps(config, setup, optim, batches, out, start=start, device=device)
+        outcome = _steps(config, setup, optim, batches, out, held, start=start, device=device)
+        if config.sample_tokens and outcome.end_step > start:
+            # [Note: one no-grad graph] in evaluate.py: compiled only where evaluation compiled it
+            step_fn = setup.step_fn if config.eval_every else setup.model
+            text = held.sample(step_fn, setup.model, tokens=config.sample_tokens, device=device)
+            out.say(f"sample ({config.sample_tokens} tokens, greedy, after the held-out prompt):\n{text}")
+            outcome = dataclasses.replace(outcome, sample=text)
         out.finish(_summary_record(outcome))
     finally:
         out.close()
@@ -329,12 +361,13 @@ def _steps(
     optim: _Optimization,
     batches: TokenBatches,
     out: RunOutput,
+    held: HeldOut,
     *,
     start: int,
     device: torch.device,
 ) -> TrainOutcome:
     tokens_per_step = _tokens(config, setup)
-    losses, rates, summary, skipped = [], [], comm.CommSummary(traced=False), 0
+    losses, rates, summary, skipped, eval_loss = [], [], comm.CommSummary(traced=False), 0, None
     for step in range(start, config.steps):
         tokens = next(batches).to(device)  # [B, S + 1]
         first = step == start
@@ -346,7 +379,7 @@ def _steps(
             summary = comm.summarize(setup.model, graphs, profile=cost.profile(profile_name(config, device)))
         else:
             loss = _forward_backward(setup.step_fn, tokens, optim.scaler)
-        stepped = optim.step()
+        stepped, optimized = optim.step(step)
         optim.opt.zero_grad(set_to_none=True)
         dist.all_reduce(loss)  # the tp ranks of one dp rank hold the same loss: the mean is the dp mean
         value = loss.item() / dist.get_world_size()
@@ -361,6 +394,9 @@ def _steps(
             )
         record = {"step": step + 1, "loss": value, "seconds": seconds, "tokens_per_s": tokens_per_step / seconds}
         record.update(_peak_memory(device))
+        record.update(optimized)
+        if config.eval_every and ((step + 1) % config.eval_every == 0 or step + 1 == config.steps):
+            eval_loss = record["eval_loss"] = held.loss(setup.step_fn, setup.model, device=device)  # not timed
         out.step({**record, **scale, **({"skipped": not stepped} if scale else {})}, compiling=first)
         if first:
             out.say(summary.line())
@@ -373,6 +409,7 @@ def _steps(
         tokens_per_s=statistics.median(rates) if rates else None,
         comm=summary,
         skipped_steps=skipped,
+        eval_loss=eval_loss,
     )
 
 
@@ -396,9 +433,7 @@ def _peak_memory(device: torch.device) -> dict[str, int]:
 
 
 def _forward_backward(step_fn: nn.Module, tokens: torch.Tensor, scaler: ShardedGradScaler | None) -> torch.Tensor:
-    output = step_fn(tokens[:, :-1])
-    logits = getattr(output, "logits", output)  # [B, S, V]; a transformers model returns an output object
-    loss = F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
+    loss = lm_loss(step_fn, tokens)
     (loss if scaler is None else scaler.scale(loss)).backward()
     return loss.detach()
 
@@ -408,5 +443,7 @@ def _summary_record(outcome: TrainOutcome) -> dict[str, Any]:
         "start_step": outcome.start_step,
         "end_step": outcome.end_step,
         "tokens_per_s": outcome.tokens_per_s,
+        "eval_loss": outcome.eval_loss,
+        "sample": outcome.sample,
         **dataclasses.asdict(outcome.comm),
     }

@@ -86,6 +86,7 @@ class RunOutput:
 
     def __init__(self, config: TrainConfig, *, start: int, enabled: bool) -> None:
         self.enabled, self.every, self.plot_every = enabled, 10, config.plot_every
+        self.eval_loss: float | None = None  # the latest held-out loss, which the bar keeps showing
         show = enabled and config.progress
         self.bar = tqdm(total=config.steps, initial=start, disable=not show, file=sys.stderr, unit="step")
         self.files: list[IO[str]] = []
@@ -106,12 +107,15 @@ class RunOutput:
             return
         rate = "compile" if compiling else f"{record['tokens_per_s']:,.0f} tok/s"
         scale = f" | scale {record['loss_scale']:g}" if "loss_scale" in record else ""
-        self.bar.set_postfix_str(f"loss {record['loss']:.4f} | {rate}{scale}")
+        self.eval_loss = record.get("eval_loss", self.eval_loss)
+        held = f" | eval {self.eval_loss:.4f}" if self.eval_loss is not None else ""
+        self.bar.set_postfix_str(f"loss {record['loss']:.4f}{held} | {rate}{scale}")
         self.bar.update(1)
         if compiling:
             restart_clock(self.bar)
-        if self.bar.disable and (record["step"] % self.every == 0 or compiling):
-            logger.info("step %d: loss %.4f, %s (%.2fs)", record["step"], record["loss"], rate, record["seconds"])
+        if self.bar.disable and (record["step"] % self.every == 0 or compiling or "eval_loss" in record):
+            step, loss, seconds = record["step"], record["loss"], record["seconds"]
+            logger.info("step %d: loss %.4f%s, %s (%.2fs)", step, loss, held, rate, seconds)
         self.write_metrics(record)
         if self.tensorboard is not None:
             for key, value in record.items():

@@ -11,7 +11,7 @@ import torch
 
 from simplefsdp.cli import main as simplefsdp_main
 from simplefsdp.train.config import ConfigError, TrainConfig, check_world, parse_args
-from simplefsdp.train.data import TokenBatches
+from simplefsdp.train.data import TokenBatches, split
 
 
 def test_flags_override_the_file_which_overrides_defaults(tmp_path):
@@ -41,6 +41,14 @@ def _write(tmp_path, text: str | None) -> str:
         (["--dim", "30"], "dim (30) must be n_heads (4) times an even head dim"),
         (["--tp", "3"], "tp (3) must divide n_heads"),
         (["--profile", "tpu9"], "profile: unknown device profile 'tpu9'"),
+        (["--lr-schedule", "linear"], "argument --lr-schedule: invalid choice: 'linear'"),
+        (["--warmup-steps", "-1"], "warmup_steps must be >= 0; got -1"),
+        (["--warmup-steps", "101"], "warmup_steps (101) must be at most steps (100)"),
+        (["--grad-clip", "-1"], "grad_clip must be a finite number >= 0 (0: off); got -1.0"),
+        (["--grad-clip", "nan"], "grad_clip must be a finite number >= 0 (0: off); got nan"),
+        (["--eval-every", "-1"], "eval_every must be >= 0 (0: off); got -1"),
+        (["--sample-tokens", "-2"], "sample_tokens must be >= 0 (0: off); got -2"),
+        (["--seq-len", "700"], "seq_len (700) must be shorter than the corpus's training part (49 of 750 tokens; 701"),
         (["--config", "{missing}"], "cannot read config file {missing}: No such file or directory"),
         (["--config", "{directory}"], "cannot read config file {directory}"),
         (["--config", "{file}"], "is not valid TOML"),
@@ -122,6 +130,19 @@ def test_resumed_batches_continue_the_sequence():
     other = TokenBatches(seq_len=16, batch_per_rank=4, dp_rank=1, dp_size=2, seed=6)
     with pytest.raises(ValueError, match="data order"):
         other.load_state_dict(first.state_dict())
+
+
+def test_training_batches_draw_from_the_head_only():
+    """[Note: the held-out tail]: the last tenth (at least one window) is never drawn for training."""
+    ids = torch.arange(750)  # each token its position
+    head, tail = split(ids, seq_len=16)
+    assert torch.equal(tail, ids[675:])
+    assert len(split(ids, seq_len=99)[1]) == 100, "one window of seq_len + 1 when a tenth is less"
+    drawn = torch.cat(
+        [next(TokenBatches(seq_len=16, batch_per_rank=64, dp_rank=0, dp_size=1, seed=s, ids=ids)) for s in range(20)]
+    )
+    assert int(drawn.max()) == len(head) - 1, "up to the head's last token, not into the tail"
+    assert int(drawn.min()) == 0
 
 
 def test_help_exits_0(capsys):

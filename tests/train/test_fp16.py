@@ -24,6 +24,11 @@ def test_fp16_training_scales_the_loss_and_resumes_with_the_same_scaler_state(ra
     for before, after, record in zip(scales, scales[1:], whole["records"], strict=False):
         assert after == (before / 2 if record["skipped"] else before), whole["records"]
     assert whole["skipped"] == sum(r["skipped"] for r in whole["records"])
+    # the gradient norm is measured after unscaling: that of the true gradients (a few units for this
+    # model), not of the scaled ones, which the scale multiplies by 2^16
+    norms = [r["grad_norm"] for r in whole["records"] if not r["skipped"]]
+    assert norms, whole["records"]
+    assert all(0 < norm < 100 for norm in norms), norms
     # the resumed run's steps 3-4 are the uninterrupted run's: same scale, same loss, same end state
     assert [r["step"] for r in resumed["records"]] == [3, 4]
     for ours, theirs in zip(resumed["records"], whole["records"][2:], strict=True):

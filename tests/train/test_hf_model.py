@@ -20,8 +20,9 @@ from safetensors.torch import load_file, save_file
 
 from simplefsdp.cli import main as simplefsdp_main
 from simplefsdp.train import hf_model
-from simplefsdp.train.config import parse_args
-from simplefsdp.train.data import CORPUS, VOCAB, encode
+from simplefsdp.train.config import TrainConfig, parse_args
+from simplefsdp.train.data import CORPUS, VOCAB, encode, split
+from simplefsdp.train.evaluate import HeldOut
 from tests.hf._tiny import llama_config
 from tests.train import _hf_ranks
 
@@ -131,6 +132,12 @@ def test_tokens_are_characters_or_the_directory_tokenizer(llama_dir):
     transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer).save_pretrained(llama_dir)
     ids = hf_model.corpus_ids(str(llama_dir), transformers.LlamaForCausalLM(llama_config(vocab_size=len(words) + 1)))
     assert ids.tolist() == [1 + words.index(w) for w in CORPUS.split()]
+    # the end-of-run sample decodes with the same tokenizer, from any of the model's tokens
+    held = HeldOut.of(TrainConfig(model=str(llama_dir), seq_len=8, batch_per_rank=1), ids, dp_rank=0, dp_size=1)
+    assert held.limit is None
+    assert held.decode(ids[:3].tolist()) == " ".join(CORPUS.split()[:3])
+    head, _ = split(ids, seq_len=8)
+    assert held.decode(held.prompt.tolist()) == " ".join(CORPUS.split()[len(head) :][:8]), "the tail's first words"
 
 
 def test_a_module_function_builds_the_model(capsys):

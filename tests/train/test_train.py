@@ -66,6 +66,10 @@ def test_loss_falls_and_checkpoints_are_written(first_run):
     assert summary["peak_bytes"] > 0, "the liveness walk's transient peak"
     assert summary["peak_bytes_before_pass"] > 0
     assert f"transient peak {summary['peak_bytes'] / 2**20:.1f} MiB" in done.stderr
+    # the default sample at the end (eager: no evaluation compiled a no-grad graph), printed by rank 0
+    assert len(summary["sample"]) == 64
+    assert f"sample (64 tokens, greedy, after the held-out prompt):\n{summary['sample']}" in done.stderr
+    assert all(r["grad_norm"] > 0 and r["lr"] == 1e-2 for r in records), "constant lr, no warmup: the defaults"
 
 
 def test_resume_continues_step_count_and_loss_curve(first_run, tmp_path):
