@@ -6,10 +6,18 @@
 Files: `config.py` (settings, TOML, flags), `data.py` (embedded corpus, resumable batches),
 `loop.py` (model, steps, checkpoints), `hf_model.py` (`--model`: Hugging Face causal LMs, `--init-from`),
 `comm.py` (the communication summary), `launch.py` (torchrun or spawn), `cli.py` (the command).
+The names load on first use ([Note: lazy package exports] in `simplefsdp/_lazy.py`).
 """
 
-from simplefsdp.train.config import ConfigError, TrainConfig, parse_args
-from simplefsdp.train.launch import launch
-from simplefsdp.train.loop import TrainOutcome, train
+from simplefsdp._lazy import lazy_exports
 
 __all__ = ["ConfigError", "TrainConfig", "TrainOutcome", "launch", "parse_args", "train"]
+
+__getattr__, __dir__ = lazy_exports(
+    __name__,
+    {
+        "simplefsdp.train.config": ("ConfigError", "TrainConfig", "parse_args"),
+        "simplefsdp.train.launch": ("launch",),
+        "simplefsdp.train.loop": ("TrainOutcome", "train"),
+    },
+)

@@ -6,7 +6,9 @@
     torchrun --nnodes 2 --nproc-per-node 8 ... -m simplefsdp.train   # the ranks torchrun starts
 
 Exit codes: 0 done; 2 a bad flag, config file or setting (one line on stderr, no traceback);
-1 a rank failed while training (its traceback on stderr).
+1 a rank failed while training (its traceback on stderr). The help and a bad flag answer before
+torch is imported (`config.py` needs none; the ranks and the launcher are imported once the flags
+parse).
 """
 
 from __future__ import annotations
@@ -15,9 +17,7 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from simplefsdp.ranks import RankFailedError, setup_rank_logging
-from simplefsdp.train.config import ConfigError, parse_args
-from simplefsdp.train.launch import LOGGERS, launch
+from simplefsdp.train.config import ConfigError, TrainConfig, build_parser, parse_args
 
 __all__ = ["main"]
 
@@ -25,18 +25,24 @@ __all__ = ["main"]
 def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if "-h" in args or "--help" in args:
-        from simplefsdp.train.config import build_parser
-
         build_parser().print_help()
         return 0
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
-        config = parse_args(args)
-        setup_rank_logging(loggers=LOGGERS, verbose=config.verbose)  # a torchrun rank: as spawned ones
-        outcome = launch(config)
+        return _run(parse_args(args))
     except ConfigError as err:
         print(f"simplefsdp train: error: {err}", file=sys.stderr)
         return 2
+
+
+def _run(config: TrainConfig) -> int:
+    """Launch the ranks and print the summary; torch is imported here, once the flags have parsed."""
+    from simplefsdp.ranks import RankFailedError, setup_rank_logging
+    from simplefsdp.train.launch import LOGGERS, launch
+
+    setup_rank_logging(loggers=LOGGERS, verbose=config.verbose)  # a torchrun rank: as spawned ones
+    try:
+        outcome = launch(config)
     except RankFailedError as err:
         print(f"simplefsdp train: {err}", file=sys.stderr)
         return 1

@@ -1,0 +1,51 @@
+"""The values settings take, importable without torch: the command lines parse and check their
+flags with these before torch is imported ([Note: lazy package exports] in `_lazy.py`).
+
+    torch_dtype("bf16")              # torch.bfloat16, the dtype a --param-dtype bf16 means
+    parse_memory_budget("512MiB")    # 536870912, what --memory-budget 512MiB means
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["DTYPES", "TIERS", "dtype_name", "parse_memory_budget", "torch_dtype"]
+
+DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}  # a flag's dtype name -> torch's name
+
+TIERS = ("none", "optimizer", "all")  # offload tiers: `OffloadPolicy.of_tier`, `--offload`
+
+_UNITS = {"KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "B": 1}
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype of a flag's dtype name (a key of `DTYPES`)."""
+    import torch  # here, not above: a command parses its flags before torch loads
+
+    return getattr(torch, DTYPES[name])
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """The flag's name of a torch dtype of `DTYPES`."""
+    return next(name for name, torch_name in DTYPES.items() if str(dtype) == f"torch.{torch_name}")
+
+
+def parse_memory_budget(text: str) -> int | float:
+    """`BucketConfig.memory_budget` from a command line: "0.25" (a fraction of each graph's peak) or
+    bytes with a unit ("512MiB", "2GiB", "4096B")."""
+    for unit, scale in _UNITS.items():
+        if text.endswith(unit):
+            number = text.removesuffix(unit).strip()
+            try:
+                return int(float(number) * scale)
+            except ValueError:
+                break
+    else:
+        try:
+            return float(text)
+        except ValueError:
+            pass
+    raise ValueError(f"memory budget {text!r}: expected a fraction such as 0.25 or bytes such as 512MiB")
