@@ -29,8 +29,9 @@ def torch_dtype(name: str) -> torch.dtype:
 
 
 def dtype_name(dtype: torch.dtype) -> str:
-    """The flag's name of a torch dtype of `DTYPES`."""
-    return next(name for name, torch_name in DTYPES.items() if str(dtype) == f"torch.{torch_name}")
+    """The flag's name of a torch dtype ("bf16"); torch's own name ("float64") for one not in `DTYPES`."""
+    torch_name = str(dtype).removeprefix("torch.")
+    return next((name for name, known in DTYPES.items() if known == torch_name), torch_name)
 
 
 def parse_memory_budget(text: str) -> int | float:
