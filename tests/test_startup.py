@@ -1,6 +1,7 @@
 """The `simplefsdp` command starts without importing torch ([Note: lazy package exports] in
-`simplefsdp/_lazy.py`): the help and a bad flag answer at once, in a fresh interpreter where
-`torch` never appears in `sys.modules`. And the lazy package gives users what the eager one did."""
+`simplefsdp/_lazy.py`): the help and a bad flag of `train` and `calibrate` answer at once, in a
+fresh interpreter where `torch` never appears in `sys.modules`. And the lazy package gives users
+what the eager one did."""
 
 from __future__ import annotations
 
@@ -19,6 +20,8 @@ _COMMANDS = [
     (["train", "--strategy", "BOGUS"], 2, "simplefsdp train: error: argument --strategy: invalid choice: 'BOGUS'"),
     (["train", "--bogus"], 2, "simplefsdp train: error: unrecognized arguments: --bogus"),
     (["train", "--n-heads", "3"], 2, "simplefsdp train: error: dim (128) must be n_heads (3) times an even head dim"),
+    (["calibrate", "--help"], 0, "usage: simplefsdp calibrate"),
+    (["calibrate", "--nproc", "1"], 2, "usage: simplefsdp calibrate"),
     (["frobnicate"], 2, "simplefsdp: unknown command 'frobnicate'"),
 ]
 
@@ -29,7 +32,10 @@ results = []
 for argv in json.loads(sys.argv[1]):
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        rc = simplefsdp.cli.main(argv)
+        try:
+            rc = simplefsdp.cli.main(argv)
+        except SystemExit as stop:  # argparse's own help and errors (calibrate)
+            rc = stop.code
     results.append([rc, out.getvalue(), err.getvalue(), sorted(m for m in sys.modules if m.split(".")[0] == "torch")])
 print(json.dumps(results))
 """

@@ -4,8 +4,8 @@
     BucketConfig(plan="auto", device="cpu.json")        # plan with it
 
 `timings.py` times matmuls, copies, collectives and their overlap on every rank; `fit.py` turns the
-times into a `DeviceProfile`; `cli.py` is the command. The names load on first use ([Note: lazy
-package exports] in `simplefsdp/_lazy.py`).
+times into a `DeviceProfile`; `run.py` is `calibrate()`, `cli.py` the command. The names load on
+first use ([Note: lazy package exports] in `simplefsdp/_lazy.py`).
 """
 
 from simplefsdp._lazy import lazy_exports
@@ -15,7 +15,7 @@ __all__ = ["Measurements", "calibrate", "measure", "profile_from"]
 __getattr__, __dir__ = lazy_exports(
     __name__,
     {
-        "simplefsdp.calibrate.cli": ("calibrate",),
+        "simplefsdp.calibrate.run": ("calibrate",),
         "simplefsdp.calibrate.fit": ("profile_from",),
         "simplefsdp.calibrate.timings": ("Measurements", "measure"),
     },
