@@ -7,16 +7,25 @@ flags with these before torch is imported ([Note: lazy package exports] in `_laz
 
 from __future__ import annotations
 
+import importlib.util
+from pathlib import Path
 from typing import TYPE_CHECKING
+
+try:
+    import tomllib
+except ImportError:  # Python 3.10
+    import tomli as tomllib
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["DTYPES", "TIERS", "dtype_name", "parse_memory_budget", "torch_dtype"]
+__all__ = ["AC_POLICIES", "DTYPES", "TIERS", "dtype_name", "parse_memory_budget", "profile_names", "torch_dtype"]
 
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}  # a flag's dtype name -> torch's name
 
 TIERS = ("none", "optimizer", "all")  # offload tiers: `OffloadPolicy.of_tier`, `--offload`
+
+AC_POLICIES = ("none", "full", "selective")  # activation checkpointing of every block: `inspect --ac`
 
 _UNITS = {"KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "B": 1}
 
@@ -50,3 +59,11 @@ def parse_memory_budget(text: str) -> int | float:
         except ValueError:
             pass
     raise ValueError(f"memory budget {text!r}: expected a fraction such as 0.25 or bytes such as 512MiB")
+
+
+def profile_names() -> list[str]:
+    """The named device profiles, sorted: the tables of the cost model's `profiles.toml`, read without
+    importing the cost model (`simplefsdp.passes.cost.PROFILES` holds the profiles themselves)."""
+    passes = importlib.util.find_spec("simplefsdp.passes")  # finds the package without running it
+    with open(Path(passes.submodule_search_locations[0]) / "profiles.toml", "rb") as file:
+        return sorted(tomllib.load(file))

@@ -1,5 +1,5 @@
 """The `simplefsdp` command starts without importing torch ([Note: lazy package exports] in
-`simplefsdp/_lazy.py`): the help and a bad flag of `train` and `calibrate` answer at once, in a
+`simplefsdp/_lazy.py`): the help and a bad flag of each subcommand answer at once, in a
 fresh interpreter where `torch` never appears in `sys.modules`. And the lazy package gives users
 what the eager one did."""
 
@@ -20,6 +20,9 @@ _COMMANDS = [
     (["train", "--strategy", "BOGUS"], 2, "simplefsdp train: error: argument --strategy: invalid choice: 'BOGUS'"),
     (["train", "--bogus"], 2, "simplefsdp train: error: unrecognized arguments: --bogus"),
     (["train", "--n-heads", "3"], 2, "simplefsdp train: error: dim (128) must be n_heads (3) times an even head dim"),
+    (["inspect", "--help"], 0, "usage: simplefsdp inspect"),
+    (["inspect", "tiny", "--wrld", "8"], 2, "simplefsdp inspect: error: unrecognized arguments: --wrld"),
+    (["inspect", "tiny", "--ac", "some"], 2, "simplefsdp inspect: error: argument --ac: invalid choice: 'some'"),
     (["calibrate", "--help"], 0, "usage: simplefsdp calibrate"),
     (["calibrate", "--nproc", "1"], 2, "usage: simplefsdp calibrate"),
     (["frobnicate"], 2, "simplefsdp: unknown command 'frobnicate'"),
@@ -107,3 +110,10 @@ def test_the_debugging_backend_is_registered_once_wrap_is_used():
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip().endswith("compiled")
+
+
+def test_the_profile_names_read_without_the_cost_model_are_its_profiles():
+    from simplefsdp.passes import cost
+    from simplefsdp.settings import profile_names
+
+    assert profile_names() == sorted(cost.PROFILES)

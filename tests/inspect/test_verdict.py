@@ -14,6 +14,7 @@ from rich.console import Console
 from simplefsdp.inspect import cli
 from simplefsdp.inspect.dryrun import dry_run
 from simplefsdp.inspect.dryrun_view import show
+from simplefsdp.inspect.from_flags import verdict_of
 from simplefsdp.inspect.shapes import SHAPES
 from simplefsdp.inspect.verdict import OPTIMIZER, PARAMETERS, MemoryVerdict, memory_verdict
 from simplefsdp.passes import cost
@@ -203,7 +204,7 @@ def _printed(result, argv, *, width):
     cli.add_arguments(parser)
     args = parser.parse_args(argv)
     out = Console(width=width, file=io.StringIO(), record=True)
-    show(result, cli.verdict_of(result, args), args, out)
+    show(result, verdict_of(result, args), args, out)
     return out.export_text()
 
 
