@@ -19,6 +19,9 @@ The modules, in the order a graph goes through them:
 - `install.py`: how a plain `torch.compile(model)` runs it; `aot_eager.py`: the debugging backend.
 """
 
+# `aot_eager` registers the `simplefsdp_aot_eager` compile backend: every module that compiles a
+# wrapped model has imported this package by then (`simplefsdp.wrap` does)
+from simplefsdp.passes import aot_eager as _aot_eager  # noqa: F401
 from simplefsdp.passes.fsdp_pass import BucketConfig, FsdpPass, PassConfig
 from simplefsdp.passes.reorder import ReorderConfig
 

@@ -40,6 +40,7 @@ from simplefsdp.passes.plan import (
 )
 from simplefsdp.passes.reorder import ReorderConfig, ReorderResult, reorder
 from simplefsdp.passes.uneven import fold_uneven_reductions
+from simplefsdp.settings import parse_memory_budget
 
 __all__ = ["BucketConfig", "FsdpPass", "PassConfig", "parse_memory_budget", "plan_buckets"]
 
@@ -117,27 +118,6 @@ class BucketConfig:
         if isinstance(self.memory_budget, float):
             return int(self.memory_budget * graph_peak)
         return int(self.memory_budget)
-
-
-_UNITS = {"KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "B": 1}
-
-
-def parse_memory_budget(text: str) -> int | float:
-    """`BucketConfig.memory_budget` from a command line: "0.25" (a fraction of each graph's peak) or
-    bytes with a unit ("512MiB", "2GiB", "4096B")."""
-    for unit, scale in _UNITS.items():
-        if text.endswith(unit):
-            number = text.removesuffix(unit).strip()
-            try:
-                return int(float(number) * scale)
-            except ValueError:
-                break
-    else:
-        try:
-            return float(text)
-        except ValueError:
-            pass
-    raise ValueError(f"memory budget {text!r}: expected a fraction such as 0.25 or bytes such as 512MiB")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

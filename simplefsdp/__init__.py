@@ -2,24 +2,13 @@
 
 model = simplefsdp.wrap(model, mesh)   # parameters become sharded DTensors
 model = torch.compile(model)           # all-gathers / reduce-scatters are traced into the graph
+
+Each public name is imported on first use ([Note: lazy package exports] in `_lazy.py`), so that
+`import simplefsdp` and the `simplefsdp` command start without importing torch. Anything that
+imports `simplefsdp.passes` (`wrap` does) registers the `simplefsdp_aot_eager` compile backend.
 """
 
-from simplefsdp import gloo
-from simplefsdp.accelerate_config import AccelerateSettings, from_accelerate
-from simplefsdp.accumulate import no_sync, reduce_pending
-from simplefsdp.activation_checkpoint import checkpoint_blocks
-from simplefsdp.loss_scaling import grad_scaler, needs_loss_scaling
-from simplefsdp.materialize import materialize
-from simplefsdp.mixed_precision import MixedPrecisionPolicy
-from simplefsdp.offload import OffloadPolicy
-from simplefsdp.offload_plan import OffloadPlan, plan_offload
-from simplefsdp.parametrize import sharded_parameters
-from simplefsdp.passes import aot_eager as _register_aot_eager_backend  # noqa: F401  (registers the backend)
-from simplefsdp.passes.fsdp_pass import BucketConfig, PassConfig
-from simplefsdp.passes.install import compile_scope
-from simplefsdp.passes.reorder import ReorderConfig
-from simplefsdp.strategy import ShardingStrategy
-from simplefsdp.wrap import wrap
+from simplefsdp._lazy import lazy_exports
 
 __all__ = [
     "AccelerateSettings",
@@ -43,3 +32,24 @@ __all__ = [
     "sharded_parameters",
     "wrap",
 ]
+
+__getattr__, __dir__ = lazy_exports(
+    __name__,
+    {
+        "simplefsdp.accelerate_config": ("AccelerateSettings", "from_accelerate"),
+        "simplefsdp.accumulate": ("no_sync", "reduce_pending"),
+        "simplefsdp.activation_checkpoint": ("checkpoint_blocks",),
+        "simplefsdp.loss_scaling": ("grad_scaler", "needs_loss_scaling"),
+        "simplefsdp.materialize": ("materialize",),
+        "simplefsdp.mixed_precision": ("MixedPrecisionPolicy",),
+        "simplefsdp.offload": ("OffloadPolicy",),
+        "simplefsdp.offload_plan": ("OffloadPlan", "plan_offload"),
+        "simplefsdp.parametrize": ("sharded_parameters",),
+        "simplefsdp.passes.fsdp_pass": ("BucketConfig", "PassConfig"),
+        "simplefsdp.passes.install": ("compile_scope",),
+        "simplefsdp.passes.reorder": ("ReorderConfig",),
+        "simplefsdp.strategy": ("ShardingStrategy",),
+        "simplefsdp.wrap": ("wrap",),
+    },
+    submodules=("gloo",),
+)

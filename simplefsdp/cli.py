@@ -31,7 +31,7 @@ def _usage() -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if not args or args[0] in ("-h", "--help"):
-        print(_usage())
+        print(_usage(), file=sys.stdout if args else sys.stderr)  # no command: an error, on stderr
         return 0 if args else 2
     command, rest = args[0], args[1:]
     if command not in _SUBCOMMANDS:

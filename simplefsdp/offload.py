@@ -56,6 +56,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from simplefsdp.kernels.host_copy import COPY_START, COPY_WAIT
+from simplefsdp.settings import TIERS
 
 __all__ = [
     "TIERS",
@@ -103,9 +104,6 @@ class OffloadPolicy:
         if tier not in TIERS:
             raise ValueError(f"offload tier must be one of {', '.join(TIERS)}; got {tier!r}")
         return None if tier == "none" else cls(parameters=tier == "all")
-
-
-TIERS = ("none", "optimizer", "all")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

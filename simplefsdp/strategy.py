@@ -15,8 +15,10 @@ dim 1 shards within a group.
 from __future__ import annotations
 
 import enum
+from typing import TYPE_CHECKING
 
-from torch.distributed.tensor import Placement, Replicate, Shard
+if TYPE_CHECKING:
+    from torch.distributed.tensor import Placement
 
 __all__ = ["ShardingStrategy"]
 
@@ -63,5 +65,8 @@ class ShardingStrategy(enum.Enum):
 
         A 0-dim parameter has no dim 0 to shard, so it is replicated on every mesh dim.
         """
+        # imported here: the strategy names are parsed by command lines before torch loads
+        from torch.distributed.tensor import Replicate, Shard
+
         shard: Placement = Shard(0) if self.shards and param_ndim > 0 else Replicate()
         return (Replicate(), shard) if self.is_hybrid else (shard,)

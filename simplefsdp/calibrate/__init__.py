@@ -4,11 +4,19 @@
     BucketConfig(plan="auto", device="cpu.json")        # plan with it
 
 `timings.py` times matmuls, copies, collectives and their overlap on every rank; `fit.py` turns the
-times into a `DeviceProfile`; `cli.py` is the command.
+times into a `DeviceProfile`; `run.py` is `calibrate()`, `cli.py` the command. The names load on
+first use ([Note: lazy package exports] in `simplefsdp/_lazy.py`).
 """
 
-from simplefsdp.calibrate.cli import calibrate
-from simplefsdp.calibrate.fit import profile_from
-from simplefsdp.calibrate.timings import Measurements, measure
+from simplefsdp._lazy import lazy_exports
 
 __all__ = ["Measurements", "calibrate", "measure", "profile_from"]
+
+__getattr__, __dir__ = lazy_exports(
+    __name__,
+    {
+        "simplefsdp.calibrate.run": ("calibrate",),
+        "simplefsdp.calibrate.fit": ("profile_from",),
+        "simplefsdp.calibrate.timings": ("Measurements", "measure"),
+    },
+)

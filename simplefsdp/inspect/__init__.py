@@ -7,17 +7,10 @@
 
 What to run: `simplefsdp.inspect.advise.advise(...)` (the search, `advise.py`), on the command line
 `--advise`. Command line: `simplefsdp inspect MODEL --world N --device h100 --out DIR` (`cli.py`).
+The names load on first use ([Note: lazy package exports] in `simplefsdp/_lazy.py`).
 """
 
-from simplefsdp.inspect.buckets import BucketRow, bucket_table
-from simplefsdp.inspect.capture import StepCapture, capture_step
-from simplefsdp.inspect.dryrun import DryRunResult, dry_run, fake_world, make_mesh
-from simplefsdp.inspect.memory import MemoryEstimate, estimate_memory
-from simplefsdp.inspect.record import GraphRecorder, StepGraphs, record_step, recording
-from simplefsdp.inspect.report import Report, inspect_model
-from simplefsdp.inspect.schedule import StepSchedule, simulate_step
-from simplefsdp.inspect.shapes import SHAPES, ModelShape, model_shape
-from simplefsdp.inspect.timeline import save_html, save_png
+from simplefsdp._lazy import lazy_exports
 
 __all__ = [
     "SHAPES",
@@ -44,3 +37,18 @@ __all__ = [
     "save_png",
     "simulate_step",
 ]
+
+__getattr__, __dir__ = lazy_exports(
+    __name__,
+    {
+        "simplefsdp.inspect.buckets": ("BucketRow", "bucket_table"),
+        "simplefsdp.inspect.capture": ("StepCapture", "capture_step"),
+        "simplefsdp.inspect.dryrun": ("DryRunResult", "dry_run", "fake_world", "make_mesh"),
+        "simplefsdp.inspect.memory": ("MemoryEstimate", "estimate_memory"),
+        "simplefsdp.inspect.record": ("GraphRecorder", "StepGraphs", "record_step", "recording"),
+        "simplefsdp.inspect.report": ("Report", "inspect_model"),
+        "simplefsdp.inspect.schedule": ("StepSchedule", "simulate_step"),
+        "simplefsdp.inspect.shapes": ("SHAPES", "ModelShape", "model_shape"),
+        "simplefsdp.inspect.timeline": ("save_html", "save_png"),
+    },
+)

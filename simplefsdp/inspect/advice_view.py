@@ -14,6 +14,7 @@ import simplefsdp
 from simplefsdp.inspect.advise import Advice, Row, advise
 from simplefsdp.inspect.dryrun import AC_POLICIES
 from simplefsdp.inspect.report import builtin_profile_note
+from simplefsdp.inspect.tables import Column, table
 
 __all__ = ["advice_json", "run_advise", "show_advice"]
 
@@ -47,15 +48,24 @@ def _offload_cell(row: Row) -> str:
     return f"{row.choice.offload}{host}"
 
 
-def ranking_table(advice: Advice, *, rows: int) -> Table:
+def ranking_table(advice: Advice, *, rows: int, wide: bool = False) -> Table:
+    """The ranked configurations; `wide`: every column (else MFU and exposed communication are left out)."""
     capacity = f"{_size(advice.capacity_bytes)}, margin {advice.margin:.0%}"
-    table = Table(
-        title=f"advise: {advice.model} at world {advice.world_size} on {advice.device.name} ({capacity}); "
-        f"{len(advice.rows)} configurations, {advice.traces} traced, {advice.search_s:.0f} s"
-    )
-    columns = ("#", "strategy", "AC", "TP", "plan", "offload", "step ms", "tokens/s/GPU", "MFU", "peak / rank")
-    for column in (*columns, "exposed", ""):
-        table.add_column(column, justify="right" if column in ("#", "TP", "step ms", "tokens/s/GPU") else "left")
+    columns = [
+        Column("#", right=True),
+        Column("strategy"),
+        Column("AC"),
+        Column("TP", right=True),
+        Column("plan"),
+        Column("offload"),
+        Column("step ms", right=True),
+        Column("tokens/s/GPU", right=True),
+        Column("MFU", wide=True),
+        Column("peak / rank"),
+        Column("exposed", wide=True),
+        Column(""),
+    ]
+    cells = []
     for i, row in enumerate(advice.rows[:rows], 1):
         choice, result = row.choice, row.result
         if result is None:
@@ -69,17 +79,25 @@ def ranking_table(advice: Advice, *, rows: int) -> Table:
                 _size(result.peak_bytes),
                 f"{result.exposed_pct:.0f}%",
             ]
-        table.add_row(
-            str(i),
-            choice.strategy.value,
-            choice.ac,
-            str(choice.tp),
-            choice.plan_label(),
-            _offload_cell(row),
-            *numbers,
-            _verdict_cell(row),
+        cells.append(
+            (
+                str(i),
+                choice.strategy.value,
+                choice.ac,
+                str(choice.tp),
+                choice.plan_label(),
+                _offload_cell(row),
+                *numbers,
+                _verdict_cell(row),
+            )
         )
-    return table
+    return table(
+        f"advise: {advice.model} at world {advice.world_size} on {advice.device.name} ({capacity}); "
+        f"{len(advice.rows)} configurations, {advice.traces} traced, {advice.search_s:.0f} s",
+        columns,
+        cells,
+        wide=wide,
+    )
 
 
 def show_advice(
@@ -87,7 +105,7 @@ def show_advice(
 ) -> None:
     """The ranking, then the winner's `simplefsdp train` flags (named shapes: `batch` x `seq` per
     rank) and wrap call, or what came closest."""
-    console.print(ranking_table(advice, rows=args.rows))
+    console.print(ranking_table(advice, rows=args.rows, wide=args.wide))
     note = builtin_profile_note(advice.device)
     if note:
         console.print(f"[yellow]{note}[/yellow]")

@@ -7,40 +7,24 @@
     simplefsdp inspect llama3-70b --world 64 --tp 8 --ac full --device h100  # does it fit, and how fast?
     simplefsdp inspect llama3-70b --world 64 --device h100 --advise --tp 1,8  # what should I run?
 
-The output is this command's product, so it prints (rich tables); the library logs.
+The output is this command's product, so it prints (rich tables); the library logs. This module
+parses the flags without torch; `from_flags.py` runs what they ask for; `dryrun_view.py` shows a
+dry run, `advice_view.py` the advice, in tables that fit the terminal (`--wide`: every column).
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import os
 import sys
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Sequence
 
-import torch
-from rich.console import Console
-from rich.table import Table
-
-import simplefsdp
-from simplefsdp.blocks import find_repeated_blocks
-from simplefsdp.inspect.buckets import module_summary
-from simplefsdp.inspect.dryrun import AC_POLICIES, DryRunResult, dry_run
-from simplefsdp.inspect.offload_cost import copy_fraction, reshards, with_plan
-from simplefsdp.inspect.report import builtin_profile_note
-from simplefsdp.inspect.shapes import SHAPES, ModelShape, model_shape
-from simplefsdp.inspect.verdict import MemoryVerdict, memory_verdict
-from simplefsdp.offload import TIERS
-from simplefsdp.offload_plan import OffloadPlan, offload_units, plan_offload
-from simplefsdp.passes import cost
-from simplefsdp.passes.fsdp_pass import parse_memory_budget
+from simplefsdp.inspect.tables import console
+from simplefsdp.settings import AC_POLICIES, DTYPES, TIERS, parse_memory_budget, profile_names
 from simplefsdp.strategy import ShardingStrategy
 from simplefsdp.writable import check_directory
 
-__all__ = ["add_arguments", "main", "run"]
-
-_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+__all__ = ["add_arguments", "main"]
 
 
 class _Parser(argparse.ArgumentParser):
@@ -61,12 +45,12 @@ def _positive(text: str) -> int:
     return value
 
 
-def _mib(nbytes: float) -> str:
-    return f"{nbytes / 2**20:,.2f} MiB" if nbytes < 2**30 else f"{nbytes / 2**30:,.2f} GiB"
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("model", help=f"a shape ({', '.join(SHAPES)}) or 'module:function' -> (model, example input)")
+    parser.add_argument(
+        "model",
+        help="a shape, e.g. tiny, small-8, llama3-8b (an unknown name is answered with the list), "
+        "or 'module:function' -> (model, example input)",
+    )
     parser.add_argument("--world", type=_positive, default=8, help="ranks in all, data x tensor parallel (fake group)")
     parser.add_argument(
         "--tp",
@@ -94,7 +78,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--device",
         default="h100",
-        help=f"device profile: {', '.join(sorted(cost.PROFILES))}, or a file from `simplefsdp calibrate`",
+        help=f"device profile: {', '.join(profile_names())}, or a file from `simplefsdp calibrate`",
     )
     parser.add_argument(
         "--strategy",
@@ -102,8 +86,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"{', '.join(ShardingStrategy.__members__)} (default FULL_SHARD; --advise: searches them unless given)",
     )
     parser.add_argument("--shard-size", type=int, default=None, help="ranks per shard group (HYBRID_* only)")
-    parser.add_argument("--param-dtype", choices=sorted(_DTYPES), default="bf16", help="all-gather / compute dtype")
-    parser.add_argument("--reduce-dtype", choices=sorted(_DTYPES), default="fp32", help="gradient reduction dtype")
+    parser.add_argument("--param-dtype", choices=sorted(DTYPES), default="bf16", help="all-gather / compute dtype")
+    parser.add_argument("--reduce-dtype", choices=sorted(DTYPES), default="fp32", help="gradient reduction dtype")
     parser.add_argument(
         "--plan",
         choices=["blocks", "auto", "none"],
@@ -148,6 +132,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--code", action="store_true", help="build on the CPU, compile with inductor, keep its code")
     parser.add_argument("--out", default=None, help="directory for graphs, code, JSON tables and timeline.png/html")
     parser.add_argument("--rows", type=_positive, default=20, help="rows shown per table (all are in --out's JSON)")
+    parser.add_argument(
+        "--wide", action="store_true", help="every table column, each at its full width (default: fit the terminal)"
+    )
 
 
 def _degrees(text: str) -> tuple[int, ...]:
@@ -158,213 +145,6 @@ def _degrees(text: str) -> tuple[int, ...]:
             f"expected an integer or a comma-separated list such as 1,8; got {text!r}"
         ) from None
     return degrees
-
-
-def _factory(spec: str) -> Callable[[], tuple[torch.nn.Module, Any]]:
-    module_name, _, attr = spec.partition(":")
-    try:
-        factory = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as error:
-        raise ValueError(f"cannot load model factory {spec!r}: {error}") from error
-    if not callable(factory):
-        raise ValueError(f"model factory {spec!r} is a {type(factory).__name__}, not a function")
-    return factory
-
-
-def _model(args: argparse.Namespace) -> str | ModelShape | Callable[[], tuple[torch.nn.Module, Any]]:
-    if ":" in args.model:
-        return _factory(args.model)
-    shape = model_shape(args.model)
-    if not args.code:
-        return shape
-
-    def on_cpu() -> tuple[torch.nn.Module, Any]:
-        torch.manual_seed(0)
-        return shape.build(device="cpu"), shape.example_input(batch=args.batch, seq=args.seq, device="cpu")
-
-    on_cpu.__name__ = shape.name
-    return on_cpu
-
-
-def run(args: argparse.Namespace) -> DryRunResult:
-    """Dry-run per the parsed arguments; returns the result (the CLI prints it)."""
-    if len(args.tp) != 1:
-        raise ValueError(f"--tp takes one degree without --advise, got {','.join(map(str, args.tp))}")
-    plan = args.plan or "blocks"
-    if plan == "none":
-        passes = None
-    else:
-        reorder = simplefsdp.ReorderConfig()
-        if args.max_in_flight_gib is not None:
-            reorder = simplefsdp.ReorderConfig(max_in_flight_bytes=int(args.max_in_flight_gib * 2**30))
-        bucket = simplefsdp.BucketConfig(plan=plan, device=args.device, memory_budget=args.memory_budget)
-        passes = simplefsdp.PassConfig(bucket=bucket, reorder=reorder)
-    result = dry_run(
-        _model(args),
-        world_size=args.world,
-        device=args.device,
-        strategy=args.strategy or "FULL_SHARD",
-        shard_size=args.shard_size,
-        mp_policy=_mp_policy(args),
-        passes=passes,
-        batch=args.batch,
-        seq=args.seq,
-        optimizer=args.optimizer,
-        max_traced_blocks=args.max_traced_blocks,
-        code=args.code,
-        tp=args.tp[0],
-        ac=args.ac or "none",
-        offload="none" if args.offload in (None, "auto") else args.offload,
-    )
-    if args.offload != "auto":
-        return result
-    return _planned(result, args)
-
-
-def _planned(result: DryRunResult, args: argparse.Namespace) -> DryRunResult:
-    """`--offload auto`: the per-block plan that keeps the step under the limit ([Note: planning
-    offload under a limit] in `offload_plan.py`), priced; everything at "all" when none does (the
-    verdict then says it does not fit)."""
-    model = _model(args)
-    module = model.build() if isinstance(model, ModelShape) else model()[0]
-    units = offload_units(
-        module, blocks=find_repeated_blocks(module), world_size=args.world, mp_policy=_mp_policy(args)
-    )
-    capacity = args.device_memory_gib * 2**30 if args.device_memory_gib else result.device.capacity_bytes
-    if args.device_memory_limit_gib is not None:
-        limit = args.device_memory_limit_gib * 2**30
-    elif capacity is not None:
-        limit = (1.0 - args.margin) * capacity
-    else:
-        raise ValueError("--offload auto needs a device memory: --device-memory-limit-gib or --device-memory-gib")
-    persistent = result.persistent
-    transient = result.peak_bytes - persistent.params_bytes - persistent.optimizer_bytes
-    plan = plan_offload(units, transient_bytes=transient, limit_bytes=limit)
-    if plan is None:
-        plan = OffloadPlan(tiers=tuple((unit.name, "all") for unit in units))
-    strategy = ShardingStrategy.parse(args.strategy or "FULL_SHARD")
-    return with_plan(
-        result,
-        plan,
-        units=units,
-        copy_fraction=copy_fraction(_mp_policy(args)),
-        reshards=reshards(strategy, args.ac or "none"),
-    )
-
-
-def verdict_of(result: DryRunResult, args: argparse.Namespace) -> MemoryVerdict:
-    """The fits verdict per the parsed `--device-memory-gib`, `--host-memory-gib` and `--margin`."""
-    capacity = None if args.device_memory_gib is None else args.device_memory_gib * 2**30
-    host = None if args.host_memory_gib is None else args.host_memory_gib * 2**30
-    return memory_verdict(result, margin=args.margin, capacity_bytes=capacity, host_capacity_bytes=host)
-
-
-def _verdict_table(verdict: MemoryVerdict) -> Table:
-    style = {True: "green", False: "red", None: "yellow"}[verdict.fits]
-    table = Table(title=f"[{style}]{verdict.line()}[/{style}]", show_header=True)
-    table.add_column("peak memory per rank, by part")
-    table.add_column("bytes", justify="right")
-    table.add_column("share", justify="right")
-    total = sum(verdict.parts.values()) or 1
-    for part, nbytes in verdict.parts.items():
-        table.add_row(part, _mib(nbytes), f"{100 * nbytes / total:.0f}%")
-    return table
-
-
-def _tables(result: DryRunResult, rows: int) -> list[Table]:
-    report, schedule, memory = result.report, result.report.schedule, result.report.memory
-    summary = Table(title="simplefsdp inspect: dry run", show_header=False)
-    summary.add_row(
-        "model",
-        f"{result.model} ({sum(p.numel() for p in report.capture.model.parameters()) / 1e6:,.1f}M parameters traced)",
-    )
-    dp = result.world_size // result.tp
-    layout = f"{dp} data x {result.tp} tensor parallel" if result.tp > 1 else "data parallel"
-    summary.add_row("world / device", f"{result.world_size} ranks ({layout}), {result.device.name}")
-    summary.add_row("activation checkpointing", result.ac)
-    summary.add_row(
-        "traced",
-        "in full"
-        if not result.extrapolated
-        else f"{result.traced_blocks[0]} and {result.traced_blocks[1]} of {result.n_layers} blocks; "
-        "numbers below the tables are extrapolated per block, tables show the last trace",
-    )
-    summary.add_row("step time", f"{result.step_s * 1e3:,.3f} ms")
-    if result.tokens_per_s is not None:
-        per_device = result.tokens_per_s / result.world_size
-        summary.add_row("tokens / s", f"{result.tokens_per_s:,.0f} ({per_device:,.0f} per device)")
-    summary.add_row("exposed communication", f"{result.exposed_pct:.1f}% ({result.exposed_s * 1e3:,.3f} ms)")
-    summary.add_row("peak memory / rank", _mib(result.peak_bytes))
-    if result.offload != "none":
-        summary.add_row(f"offload {result.offload}: host memory / rank", _mib(result.host_bytes))
-
-    buckets = Table(title="buckets (one row per collective, launch order)")
-    for column in ("id", "phase", "collective", "modules", "params", "elements", "bytes", "dtype", "group"):
-        buckets.add_column(column, justify="right" if column in ("id", "params", "elements", "bytes") else "left")
-    for row in report.buckets[:rows]:
-        buckets.add_row(
-            str(row.id),
-            row.phase,
-            row.collective,
-            module_summary(row.modules),
-            str(len(row.parameters)),
-            f"{row.numel:,}",
-            _mib(row.nbytes),
-            str(row.dtype).removeprefix("torch."),
-            str(row.group_size),
-        )
-
-    timing = Table(title=f"schedule on {schedule.device.name} (cost model)")
-    for column in ("collective", "launched before", "waited before", "comm ms", "overlap ms", "exposed ms", "status"):
-        timing.add_column(column)
-    for event in schedule.comm[:rows]:
-        style = {"exposed": "red", "partly exposed": "yellow"}.get(event.status, "green")
-        timing.add_row(
-            f"{event.phase[:3]} {event.collective}",
-            event.launched_before,
-            event.waited_before,
-            f"{event.duration_s * 1e3:.3f}",
-            f"{event.compute_between_s * 1e3:.3f}",
-            f"{event.exposed_s * 1e3:.3f}",
-            f"[{style}]{event.status}[/{style}]",
-        )
-
-    mem = Table(title="memory per rank (traced model)", show_header=False)
-    mem.add_row("sharded parameters", _mib(memory.params_bytes))
-    mem.add_row("sharded gradients", _mib(memory.grads_bytes))
-    mem.add_row("optimizer state", _mib(memory.optimizer_bytes))
-    mem.add_row("activations saved for backward", _mib(memory.activations_bytes))
-    mem.add_row("max in-flight gathered / comm buffers", _mib(memory.max_in_flight_bytes))
-    mem.add_row("forward peak (transient)", _mib(memory.forward.peak_bytes))
-    mem.add_row("backward peak (transient, incl. gradients)", _mib(memory.backward.peak_bytes))
-    mem.add_row("peak", _mib(memory.peak_bytes))
-    return [summary, buckets, timing, mem]
-
-
-def _mp_policy(args: argparse.Namespace) -> simplefsdp.MixedPrecisionPolicy:
-    return simplefsdp.MixedPrecisionPolicy(
-        param_dtype=_DTYPES[args.param_dtype], reduce_dtype=_DTYPES[args.reduce_dtype]
-    )
-
-
-def _advise(args: argparse.Namespace, console: Console) -> int:
-    from simplefsdp.inspect.advice_view import run_advise, show_advice
-
-    if args.code:
-        raise ValueError("--advise traces on the meta device; --code is for a single dry run")
-    fixed = {"--plan": args.plan, "--memory-budget": args.memory_budget, "--max-in-flight-gib": args.max_in_flight_gib}
-    if args.offload == "auto":
-        raise ValueError("--advise searches the offload tiers itself; --offload auto plans one dry run")
-    given = [flag for flag, value in fixed.items() if value is not None]
-    if given:
-        raise ValueError(f"--advise searches the bucket plans and prefetch depths itself; drop {', '.join(given)}")
-    model = _model(args)
-    advice = run_advise(args, model=model, mp_policy=_mp_policy(args))
-    named = isinstance(model, ModelShape)
-    batch = (args.batch or model.batch) if named else None
-    seq = (args.seq or model.seq) if named else None
-    show_advice(advice, args, console, batch=batch, seq=seq)
-    return 0
 
 
 def _check(args: argparse.Namespace) -> None:
@@ -383,24 +163,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Exit codes: 0 done; 2 a bad flag or model, or a dry run that failed (one line on stderr)."""
     parser = _Parser(prog="simplefsdp inspect", description=__doc__.split("\n")[0])
     add_arguments(parser)
-    console = Console()
     try:
         args = parser.parse_args(argv)
         _check(args)
+        out = console(wide=args.wide)
+        # torch loads here, once the flags have parsed: the help and a bad flag answer at once
+        from simplefsdp.inspect.dryrun_view import show
+        from simplefsdp.inspect.from_flags import advise_command, run, verdict_of
+
         if args.advise:
-            return _advise(args, console)
+            return advise_command(args, out)
         result = run(args)
         verdict = verdict_of(result, args)
     except (ValueError, RuntimeError) as error:
         print(f"simplefsdp inspect: error: {error}", file=sys.stderr)
         return 2
-    for table in _tables(result, args.rows):
-        console.print(table)
-    console.print(_verdict_table(verdict))
-    note = builtin_profile_note(result.device)
-    if note:
-        console.print(f"[yellow]{note}[/yellow]")
+    show(result, verdict, args, out)
     if args.out:
         written = result.report.save(args.out)
-        console.print(f"wrote {', '.join(str(p) for p in written.values())}")
+        out.print(f"wrote {', '.join(str(p) for p in written.values())}")
     return 0

@@ -57,6 +57,7 @@ from simplefsdp.inspect.offload_cost import check_tier, copy_fraction, reshards,
 from simplefsdp.inspect.report import Report, inspect_model, resolve_profile
 from simplefsdp.inspect.shapes import ModelShape, check_batch_and_seq, model_shape
 from simplefsdp.passes import cost
+from simplefsdp.settings import AC_POLICIES
 from simplefsdp.strategy import ShardingStrategy
 
 __all__ = ["AC_POLICIES", "DryRunResult", "dry_run", "fake_world", "make_mesh"]
@@ -105,9 +106,6 @@ def make_mesh(*, strategy: ShardingStrategy | str, world_size: int, shard_size: 
     if not ShardingStrategy.parse(strategy).is_hybrid:
         return init_device_mesh("cpu", (world_size,))
     return init_device_mesh("cpu", (world_size // shard_size, shard_size), mesh_dim_names=("replicate", "shard"))
-
-
-AC_POLICIES = ("none", "full", "selective")
 
 
 def _tp_mesh(*, strategy: ShardingStrategy, world_size: int, tp: int) -> DeviceMesh:

@@ -9,10 +9,18 @@ batches), `loop.py` (model, steps, checkpoints), `schedule.py` (learning rate by
 `hf_model.py` (`--model`: Hugging Face causal LMs, `--init-from`), `comm.py` (the communication
 summary), `output.py` (rank 0's bar, summary line and run folder), `plot.py` (the loss curve),
 `launch.py` (torchrun or spawn), `cli.py` (the command).
+The names load on first use ([Note: lazy package exports] in `simplefsdp/_lazy.py`).
 """
 
-from simplefsdp.train.config import ConfigError, TrainConfig, parse_args
-from simplefsdp.train.launch import launch
-from simplefsdp.train.loop import TrainOutcome, train
+from simplefsdp._lazy import lazy_exports
 
 __all__ = ["ConfigError", "TrainConfig", "TrainOutcome", "launch", "parse_args", "train"]
+
+__getattr__, __dir__ = lazy_exports(
+    __name__,
+    {
+        "simplefsdp.train.config": ("ConfigError", "TrainConfig", "parse_args"),
+        "simplefsdp.train.launch": ("launch",),
+        "simplefsdp.train.loop": ("TrainOutcome", "train"),
+    },
+)

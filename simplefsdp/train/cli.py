@@ -8,6 +8,8 @@
 Exit codes: 0 done, or nothing to do (--resume from a checkpoint at or past --steps: one line on
 stderr says so); 2 a bad flag, config file or setting (one line on stderr, no traceback); 1 a rank
 failed while training (its traceback on stderr).
+The help and a bad flag answer before torch is imported (`config.py` needs none; the ranks
+and the launcher are imported once the flags parse).
 """
 
 from __future__ import annotations
@@ -16,9 +18,7 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from simplefsdp.ranks import RankFailedError, gets_the_result, setup_rank_logging
-from simplefsdp.train.config import ConfigError, parse_args
-from simplefsdp.train.launch import LOGGERS, launch, nothing_to_train
+from simplefsdp.train.config import ConfigError, TrainConfig, build_parser, parse_args
 
 __all__ = ["main"]
 
@@ -26,23 +26,29 @@ __all__ = ["main"]
 def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if "-h" in args or "--help" in args:
-        from simplefsdp.train.config import build_parser
-
         build_parser().print_help()
         return 0
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
-        config = parse_args(args)
-        setup_rank_logging(loggers=LOGGERS, verbose=config.verbose)  # a torchrun rank: as spawned ones
-        done = nothing_to_train(config)
-        if done is not None:
-            if gets_the_result():  # under torchrun every rank finds it: rank 0 says so
-                print(f"simplefsdp train: {done}", file=sys.stderr)
-            return 0
-        outcome = launch(config)
+        return _run(parse_args(args))
     except ConfigError as err:
         print(f"simplefsdp train: error: {err}", file=sys.stderr)
         return 2
+
+
+def _run(config: TrainConfig) -> int:
+    """Launch the ranks and print the summary; torch is imported here, once the flags have parsed."""
+    from simplefsdp.ranks import RankFailedError, gets_the_result, setup_rank_logging
+    from simplefsdp.train.launch import LOGGERS, launch, nothing_to_train
+
+    setup_rank_logging(loggers=LOGGERS, verbose=config.verbose)  # a torchrun rank: as spawned ones
+    done = nothing_to_train(config)
+    if done is not None:
+        if gets_the_result():  # under torchrun every rank finds it: rank 0 says so
+            print(f"simplefsdp train: {done}", file=sys.stderr)
+        return 0
+    try:
+        outcome = launch(config)
     except RankFailedError as err:
         print(f"simplefsdp train: {err}", file=sys.stderr)
         return 1

@@ -9,6 +9,9 @@ raises `ConfigError` whose message names the flag, key or file; the CLI prints i
 
 Invariant: a `TrainConfig` that constructs is runnable as far as can be known before the world
 size is (`check_world` finishes the job once it is).
+
+This module imports no torch: `simplefsdp train --help` and a bad flag answer before torch loads
+([Note: lazy package exports] in `simplefsdp/_lazy.py`); the checks that need it import it.
 """
 
 from __future__ import annotations
@@ -21,33 +24,17 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from simplefsdp.passes import cost
-from simplefsdp.passes.fsdp_pass import parse_memory_budget
-
 try:
     import tomllib
 except ImportError:  # Python 3.10
     import tomli as tomllib
-from simplefsdp.offload import TIERS
+from simplefsdp.settings import DTYPES, TIERS, dtype_name, parse_memory_budget
 from simplefsdp.strategy import ShardingStrategy
 from simplefsdp.train.schedule import COSINE_FLOOR, SCHEDULES
 
-__all__ = [
-    "DTYPES",
-    "ConfigError",
-    "TrainConfig",
-    "check_world",
-    "load_accelerate",
-    "load_toml",
-    "parse_args",
-    "to_toml",
-]
+__all__ = ["ConfigError", "TrainConfig", "check_world", "load_accelerate", "load_toml", "parse_args", "to_toml"]
 
 logger = logging.getLogger(__name__)
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 class ConfigError(ValueError):
@@ -177,6 +164,8 @@ class TrainConfig:
         if self.device_memory_limit and self.offload != "auto":
             raise ConfigError(f"device_memory_limit is for offload auto; got offload {self.offload!r}")
         if self.profile != "auto":
+            from simplefsdp.passes import cost
+
             try:
                 cost.profile(self.profile)
             except ValueError as error:
@@ -193,6 +182,8 @@ class TrainConfig:
 
     def device_type(self) -> str:
         if self.device == "auto":
+            import torch
+
             return "cuda" if torch.cuda.is_available() else "cpu"
         return self.device
 
@@ -307,9 +298,8 @@ def load_accelerate(path: str | Path) -> dict[str, Any]:
         raise ConfigError(f"Accelerate config {path}: {err}") from None
     settings: dict[str, Any] = {"strategy": accel.strategy.value, "prefetch_depth": accel.reorder.prefetch_depth}
     if accel.mp_policy is not None:
-        names = {dtype: name for name, dtype in DTYPES.items()}
         settings.update(
-            param_dtype=names[accel.mp_policy.param_dtype], reduce_dtype=names[accel.mp_policy.reduce_dtype]
+            param_dtype=dtype_name(accel.mp_policy.param_dtype), reduce_dtype=dtype_name(accel.mp_policy.reduce_dtype)
         )
     if accel.bucket.plan == "cap":
         settings.update(bucket_plan="cap", bucket_cap_mib=accel.bucket.cap_bytes / 2**20)

@@ -48,10 +48,10 @@ from simplefsdp.inspect.record import recording
 from simplefsdp.loss_scaling import CHECKPOINT_KEY
 from simplefsdp.models import Transformer, TransformerArgs, tensor_parallel_plan
 from simplefsdp.passes import cost
-from simplefsdp.passes.fsdp_pass import parse_memory_budget
 from simplefsdp.passes.install import pass_of
+from simplefsdp.settings import parse_memory_budget, torch_dtype
 from simplefsdp.train import comm, hf_model
-from simplefsdp.train.config import DTYPES, ConfigError, TrainConfig
+from simplefsdp.train.config import ConfigError, TrainConfig
 from simplefsdp.train.data import CORPUS, VOCAB, TokenBatches, encode, split
 from simplefsdp.train.evaluate import HeldOut, lm_loss
 from simplefsdp.train.grad_norm import clip_grad_norm, grad_norm
@@ -179,8 +179,8 @@ def check_model(config: TrainConfig) -> None:
 
 
 def mp_policy(config: TrainConfig) -> simplefsdp.MixedPrecisionPolicy:
-    reduce = None if config.reduce_dtype == "auto" else DTYPES[config.reduce_dtype]
-    return simplefsdp.MixedPrecisionPolicy(param_dtype=DTYPES[config.param_dtype], reduce_dtype=reduce)
+    reduce = None if config.reduce_dtype == "auto" else torch_dtype(config.reduce_dtype)
+    return simplefsdp.MixedPrecisionPolicy(param_dtype=torch_dtype(config.param_dtype), reduce_dtype=reduce)
 
 
 def build_model(

@@ -18,7 +18,7 @@ from simplefsdp.blocks import find_repeated_blocks
 from simplefsdp.inspect.dryrun import dry_run
 from simplefsdp.offload_plan import OffloadPlan, Unit, offload_units, plan_offload
 from simplefsdp.passes import cost
-from simplefsdp.passes.fsdp_pass import parse_memory_budget
+from simplefsdp.settings import parse_memory_budget
 from simplefsdp.train.config import ConfigError, TrainConfig
 from simplefsdp.train.loop import layer_blocks, mp_policy, profile_name, unwrapped_model
 

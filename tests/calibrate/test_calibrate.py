@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from simplefsdp.calibrate import calibrate, timings
 from simplefsdp.calibrate import cli as calibrate_cli
+from simplefsdp.calibrate import run as calibrate_run
 from simplefsdp.calibrate.fit import (
     compute_scale,
     fit_alpha_beta,
@@ -194,7 +195,7 @@ def _calibrate_in_a_script(out: str, torchrun: bool) -> tuple[str | None, bool]:
         with (
             warnings.catch_warnings(),
             mock.patch.dict(os.environ, env if torchrun else {}),
-            mock.patch.object(calibrate_cli, "measure", _measured_on_the_group),
+            mock.patch.object(calibrate_run, "measure", _measured_on_the_group),
         ):
             warnings.simplefilter("always", UserWarning)
             before = _process_state()
@@ -219,7 +220,7 @@ def _refuse_to_measure(**kwargs) -> None:
 
 
 def test_an_unwritable_out_is_refused_before_measuring(tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr(calibrate_cli, "measure", _refuse_to_measure)
+    monkeypatch.setattr(calibrate_run, "measure", _refuse_to_measure)
     missing = tmp_path / "nonexistent" / "x.json"
     with pytest.raises(ValueError, match=rf"^out {missing}: directory {missing.parent} does not exist$"):
         calibrate(out=missing, quick=True, device_type="cpu")

@@ -107,10 +107,15 @@ def test_cli_smoke(tmp_path, capsys):
         (["inspect", "tiny", "--device", "tpu"], "unknown device profile 'tpu'"),
         (["inspect", "tiny", "--world", "6", "--strategy", "HYBRID_SHARD", "--shard-size", "4"], "must divide"),
         (["inspect", "nosuch.module:build"], "cannot load model factory"),
+        (["inspect", "llama9"], "simplefsdp inspect: error: unknown model shape 'llama9'; known: ["),
+        (["inspect", "tiny", "--wrld", "8"], "simplefsdp inspect: error: unrecognized arguments: --wrld"),
+        (["inspect", "tiny", "--world", "0"], "simplefsdp inspect: error: argument --world: must be a positive"),
         (["frobnicate"], "unknown command 'frobnicate'"),
     ],
 )
 def test_cli_bad_input(argv, message, capsys):
+    """A bad model, flag or world: one line on stderr (as `simplefsdp train`'s), exit code 2, nothing on stdout."""
     assert cli.main(argv) == 2
     captured = capsys.readouterr()
-    assert message in captured.out + captured.err
+    assert message in captured.err
+    assert not captured.out

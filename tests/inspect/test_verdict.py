@@ -3,13 +3,18 @@ activation checkpointing and tensor parallelism in the dry run, and the bad inpu
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import functools
+import io
 
 import pytest
+from rich.console import Console
 
 from simplefsdp.inspect import cli
 from simplefsdp.inspect.dryrun import dry_run
+from simplefsdp.inspect.dryrun_view import show
+from simplefsdp.inspect.from_flags import verdict_of
 from simplefsdp.inspect.shapes import SHAPES
 from simplefsdp.inspect.verdict import OPTIMIZER, PARAMETERS, MemoryVerdict, memory_verdict
 from simplefsdp.passes import cost
@@ -191,3 +196,54 @@ def test_cli_plans_offload_per_block_under_a_limit(capsys):
     assert "units optimizer" in out
     assert "offloaded to host memory" in out
     assert "fits on h100" in out
+
+
+def _printed(result, argv, *, width):
+    """What `simplefsdp inspect` prints for `result` under `argv`, on a terminal `width` columns wide."""
+    parser = argparse.ArgumentParser()
+    cli.add_arguments(parser)
+    args = parser.parse_args(argv)
+    out = Console(width=width, file=io.StringIO(), record=True)
+    show(result, verdict_of(result, args), args, out)
+    return out.export_text()
+
+
+def test_the_tables_read_at_80_columns_and_wide_shows_every_column(small_w8):
+    """At 80 columns no line is longer and no cell is cut short ("…"): long cells wrap, and the
+    columns of least use (elements, group, comm and overlap ms) are left out; `--wide` shows them
+    all, each cell on one line."""
+    narrow = _printed(small_w8, ["tiny", "--world", "8"], width=80)
+    assert max(len(line) for line in narrow.splitlines()) <= 80
+    assert "…" not in narrow
+    assert "..." not in narrow
+    for header in ("elements", "group", "comm ms", "overlap ms"):
+        assert header not in narrow
+    wide = _printed(small_w8, ["tiny", "--world", "8", "--wide"], width=10_000)
+    assert "…" not in wide
+    for header in ("elements", "group", "comm ms", "overlap ms", "launched before", "exposed ms"):
+        assert header in wide
+    event = small_w8.report.schedule.comm[0]
+    assert f"│ {event.launched_before} " in wide, "a cell on one line"
+
+
+def test_the_assumed_batch_and_the_traced_depth_are_printed_with_the_verdict(small_w8):
+    """Above the verdict: the micro-batch and sequence the prediction assumes (the shape's own, or the
+    flags'). A model traced at fewer blocks than it has says so wherever its numbers differ: the
+    tables are the trace's, the summary's peak and the verdict the whole depth's."""
+    text = _printed(small_w8, ["tiny", "--world", "8"], width=80)
+    assumed = "assumed per data-parallel rank: micro-batch 2 x sequence 16 = 32 tokens a step"
+    assert assumed in text
+    assert text.index(assumed) < text.index("fits on h100")
+    assert "micro-batch 3 x sequence 8 = 24 tokens" in _printed(
+        small_w8, ["tiny", "--micro-batch", "3", "--seq", "8"], width=80
+    )
+    assert "memory per rank: the traced model (the whole model)" in text
+    assert "peak memory / rank (the whole model)" in text
+    deep = dataclasses.replace(small_w8, traced_blocks=(4, 5), n_layers=32)
+    text = " ".join(_printed(deep, ["tiny"], width=80).replace("│", " ").split())
+    assert "4 and 5 of 32 blocks" in text
+    assert "the tables show the 5-block trace, the step, peak and verdict are extrapolated to 32 blocks" in text
+    assert "peak memory / rank (all 32 blocks)" in text
+    assert "memory per rank: the 5-block trace; the verdict below is for all 32 blocks" in text
+    assert "peak of the 5-block trace" in text
+    assert "peak memory per rank (all 32 blocks), by part" in text
