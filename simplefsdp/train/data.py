@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["CORPUS", "VOCAB", "TokenBatches", "encode"]
+__all__ = ["CORPUS", "VOCAB", "TokenBatches", "encode", "repeated_corpus"]
 
 CORPUS = """\
 Sharding a model means that no single worker holds all of it. Each worker keeps one slice of every
@@ -36,6 +36,15 @@ VOCAB = sorted(set(CORPUS))
 def encode(text: str) -> torch.Tensor:
     """Token ids of `text` (`[len(text)]`, int64); every character must be in `VOCAB`."""
     return torch.tensor([VOCAB.index(ch) for ch in text])
+
+
+def repeated_corpus(*, seq_len: int) -> torch.Tensor:
+    """The corpus's token ids, repeated as often as windows of `seq_len + 1` tokens need (at least
+    once), in host memory whatever the default device: a named shape's sequences (8192 for Llama 3)
+    are longer than the corpus."""
+    with torch.device("cpu"):
+        ids = encode(CORPUS)
+    return ids.repeat(max(1, -(-(seq_len + 2) // len(ids))))
 
 
 class TokenBatches:

@@ -6,6 +6,7 @@ outcome = launch(config)   # rank 0's TrainOutcome
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 import torch.distributed as dist
@@ -13,6 +14,7 @@ import torch.distributed as dist
 from simplefsdp.offload_plan import OffloadPlan
 from simplefsdp.ranks import gets_the_result, run_on_ranks, spawn_world, under_torchrun
 from simplefsdp.train.config import ConfigError, TrainConfig, check_world
+from simplefsdp.train.fit import check_fits
 from simplefsdp.train.loop import TrainOutcome, check_fresh_start, check_model, train
 from simplefsdp.train.offload_auto import plan_for
 from simplefsdp.writable import check_directory, check_file
@@ -55,9 +57,15 @@ def launch(config: TrainConfig) -> TrainOutcome | None:
         check_world(config, world)
         check_fresh_start(config)
         check_model(config)
+        check_fits(config, world_size=world, device_type=device_type, ranks_here=world)
         if config.offload == "auto":
             plan = plan_for(config, world_size=world, device_type=device_type)
-    elif config.offload == "auto":
+    elif config.offload != "auto":  # each torchrun rank checks its machine before building
+        world = int(os.environ["WORLD_SIZE"])
+        check_world(config, world)
+        here = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+        check_fits(config, world_size=world, device_type=device_type, ranks_here=here)
+    else:
         raise ConfigError(
             "offload auto plans before the ranks start, which torchrun does not leave room for: run without "
             "torchrun, or choose a tier (--offload optimizer or all)"
