@@ -36,7 +36,7 @@ from simplefsdp.offload_plan import OffloadPlan, offload_units, plan_offload
 from simplefsdp.passes import cost
 from simplefsdp.passes.fsdp_pass import parse_memory_budget
 from simplefsdp.strategy import ShardingStrategy
-from simplefsdp.writable import check_directory
+from simplefsdp.writable import check_directory, check_file
 
 __all__ = ["add_arguments", "main", "run"]
 
@@ -90,6 +90,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--advise",
         action="store_true",
         help="search strategy x AC x bucket plan x prefetch (x --tp degrees) and rank what fits by speed",
+    )
+    parser.add_argument(
+        "--advise-toml",
+        default=None,
+        metavar="FILE",
+        help="--advise: also write the advised run as a `simplefsdp train --config` TOML file",
     )
     parser.add_argument(
         "--device",
@@ -355,15 +361,14 @@ def _advise(args: argparse.Namespace, console: Console) -> int:
     fixed = {"--plan": args.plan, "--memory-budget": args.memory_budget, "--max-in-flight-gib": args.max_in_flight_gib}
     if args.offload == "auto":
         raise ValueError("--advise searches the offload tiers itself; --offload auto plans one dry run")
+    if args.advise_toml and ":" in args.model:
+        raise ValueError("--advise-toml writes a `simplefsdp train` run of a named shape; a factory's model has none")
     given = [flag for flag, value in fixed.items() if value is not None]
     if given:
         raise ValueError(f"--advise searches the bucket plans and prefetch depths itself; drop {', '.join(given)}")
     model = _model(args)
     advice = run_advise(args, model=model, mp_policy=_mp_policy(args))
-    named = isinstance(model, ModelShape)
-    batch = (args.batch or model.batch) if named else None
-    seq = (args.seq or model.seq) if named else None
-    show_advice(advice, args, console, batch=batch, seq=seq)
+    show_advice(advice, args, console, shape=model if isinstance(model, ModelShape) else None)
     return 0
 
 
@@ -377,6 +382,10 @@ def _check(args: argparse.Namespace) -> None:
         raise ValueError(f"--margin must be in [0, 1), got {args.margin}")
     if args.out is not None:
         check_directory(args.out, name="--out")
+    if args.advise_toml is not None:
+        if not args.advise:
+            raise ValueError("--advise-toml writes what --advise advises: give --advise")
+        check_file(args.advise_toml, name="--advise-toml")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
