@@ -173,6 +173,11 @@ class TrainConfig:
                 f"shape {self.shape!r}: its vocabulary ({args.vocab_size}) is smaller than the corpus's "
                 f"{len(VOCAB)} tokens"
             )
+        if args.tie_embeddings and self.tp > 1:
+            raise ConfigError(
+                f"tp ({self.tp}): shape {self.shape!r} ties its output head to the embedding, and the "
+                "tensor-parallel plan shards the two apart (they would train untied); use tp 1"
+            )
         kv_heads = model_shape(self.shape).n_kv_heads
         if kv_heads is not None and kv_heads % self.tp:
             raise ConfigError(f"tp ({self.tp}) must divide shape {self.shape!r}'s key / value heads ({kv_heads})")

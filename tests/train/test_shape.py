@@ -37,6 +37,7 @@ def test_a_shape_sets_the_sizes_and_flags_and_the_file_override_them(tmp_path):
         (["--shape", "tiny", "--model", "x:y"], "shape ('tiny') and model ('x:y') each name the model"),
         (["--shape", "llama3-8b", "--tp", "16"], "tp (16) must divide shape 'llama3-8b''s key / value heads (8)"),
         (["--shape", "llama3-8b", "--n-heads", "12", "--dim", "4608"], "must be a multiple of its key / value heads"),
+        (["--shape", "llama3.2-1b", "--tp", "2"], "ties its output head to the embedding"),
     ],
 )
 def test_bad_shape_settings_exit_2_naming_them(capsys, argv, expected):
