@@ -18,6 +18,7 @@ from pathlib import Path
 from _harness import record_header
 
 from simplefsdp.inspect.advise import Advice, Row, advise
+from simplefsdp.inspect.advised_run import run_settings, torchrun_command, train_command
 from simplefsdp.inspect.shapes import model_shape
 
 GIB = 2**30
@@ -54,8 +55,16 @@ def report(advice: Advice, *, model: str, header: str) -> str:
         lines.append("Nothing fits.")
     else:
         shape = model_shape(model)
-        flags = winner.choice.train_flags(
-            param_dtype="bf16", reduce_dtype="fp32", batch=shape.batch, seq=shape.seq, profile=advice.device.name
+        settings = run_settings(
+            winner.choice,
+            shape=shape,
+            param_dtype="bf16",
+            reduce_dtype="fp32",
+            batch=shape.batch,
+            seq=shape.seq,
+            profile=advice.device.name,
+            shard_size=None,
+            world_size=advice.world_size,
         )
         call = winner.choice.wrap_call(
             param_dtype="bf16", reduce_dtype="fp32", profile=advice.device.name, shard_size=None
@@ -64,7 +73,8 @@ def report(advice: Advice, *, model: str, header: str) -> str:
             f"Advised: {winner.choice.label()}; {winner.verdict.line()}.",
             "",
             "```",
-            f"simplefsdp train {flags}",
+            train_command(settings),
+            torchrun_command(settings, world_size=advice.world_size),
             "```",
             "",
             "```python",

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import sys
+import time
 from pathlib import Path
 
 from rich.console import Console
@@ -12,8 +15,10 @@ from rich.table import Table
 
 import simplefsdp
 from simplefsdp.inspect.advise import Advice, Row, advise
+from simplefsdp.inspect.advised_run import run_settings, torchrun_command, train_command, write_toml
 from simplefsdp.inspect.dryrun import AC_POLICIES
 from simplefsdp.inspect.report import builtin_profile_note
+from simplefsdp.inspect.shapes import ModelShape
 from simplefsdp.inspect.tables import Column, table
 
 __all__ = ["advice_json", "run_advise", "show_advice"]
@@ -100,11 +105,10 @@ def ranking_table(advice: Advice, *, rows: int, wide: bool = False) -> Table:
     )
 
 
-def show_advice(
-    advice: Advice, args: argparse.Namespace, console: Console, *, batch: int | None, seq: int | None
-) -> None:
-    """The ranking, then the winner's `simplefsdp train` flags (named shapes: `batch` x `seq` per
-    rank) and wrap call, or what came closest."""
+def show_advice(advice: Advice, args: argparse.Namespace, console: Console, *, shape: ModelShape | None) -> None:
+    """The ranking, then the winner's run -- for a named `shape`: the `simplefsdp train` command and
+    its torchrun line (`advised_run.py`), and with `--advise-toml` the file -- and wrap call, or what
+    came closest."""
     console.print(ranking_table(advice, rows=args.rows, wide=args.wide))
     note = builtin_profile_note(advice.device)
     if note:
@@ -130,11 +134,8 @@ def show_advice(
     if winner.choice.offload != "none":
         console.print(winner.verdict.line())
     param, reduce = args.param_dtype, args.reduce_dtype
-    if batch is not None and seq is not None:
-        flags = winner.choice.train_flags(
-            param_dtype=param, reduce_dtype=reduce, batch=batch, seq=seq, profile=args.device
-        )
-        console.print(f"simplefsdp train {flags}", soft_wrap=True, highlight=False)
+    if shape is not None:
+        _show_run(winner, args, console, shape=shape)
     console.print(
         winner.choice.wrap_call(
             param_dtype=param, reduce_dtype=reduce, profile=args.device, shard_size=args.shard_size
@@ -142,6 +143,28 @@ def show_advice(
         soft_wrap=True,
         highlight=False,
     )
+
+
+def _show_run(winner: Row, args: argparse.Namespace, console: Console, *, shape: ModelShape) -> None:
+    """The advised `simplefsdp train` run of a named shape: the command (this machine's ranks), the
+    torchrun line for the advised world, and with `--advise-toml` the file both can read."""
+    settings = run_settings(
+        winner.choice,
+        shape=shape,
+        param_dtype=args.param_dtype,
+        reduce_dtype=args.reduce_dtype,
+        batch=args.batch or shape.batch,
+        seq=args.seq or shape.seq,
+        profile=args.device,
+        shard_size=args.shard_size,
+        world_size=args.world,
+    )
+    console.print(train_command(settings), soft_wrap=True, highlight=False)
+    toml = None
+    if args.advise_toml:
+        toml = str(write_toml(settings, args.advise_toml))
+        console.print(f"wrote {toml}: simplefsdp train --config {toml}", soft_wrap=True, highlight=False)
+    console.print(torchrun_command(settings, world_size=args.world, config=toml), soft_wrap=True, highlight=False)
 
 
 def advice_json(advice: Advice) -> dict:
@@ -178,11 +201,25 @@ def advice_json(advice: Advice) -> dict:
 
 
 def run_advise(args: argparse.Namespace, *, model, mp_policy: simplefsdp.MixedPrecisionPolicy) -> Advice:
-    """The advisor per the parsed flags, with a progress line per trace."""
+    """The advisor per the parsed flags, its progress on stderr: a live line on a terminal, else a
+    line per finished task (so a piped or logged run still shows it is working)."""
     capacity = None if args.device_memory_gib is None else args.device_memory_gib * 2**30
     host = None if args.host_memory_gib is None else args.host_memory_gib * 2**30
-    with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), transient=True) as bar:
+    console = Console(stderr=True)
+    live = console.is_terminal  # rich's live line; elsewhere it would print nothing until the end
+    bar = Progress(
+        SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=console, transient=True
+    )
+    with bar if live else contextlib.nullcontext():
         task = bar.add_task("advise: starting", total=None)
+        started = time.perf_counter()
+
+        def progress(label: str) -> None:
+            if live:
+                bar.update(task, description=f"advise: {label}")
+            else:
+                print(f"advise: {label} [{time.perf_counter() - started:.0f} s]", file=sys.stderr, flush=True)
+
         advice = advise(
             model,
             world_size=args.world,
@@ -201,7 +238,7 @@ def run_advise(args: argparse.Namespace, *, model, mp_policy: simplefsdp.MixedPr
             jobs=args.jobs,
             offload=None if args.offload is None else (args.offload,),
             host_capacity_bytes=host,
-            on_progress=lambda label: bar.update(task, description=f"advise: {label}"),
+            on_progress=progress,
         )
     if args.out:
         out = Path(args.out)

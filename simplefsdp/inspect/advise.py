@@ -442,6 +442,12 @@ def _search(work: list[_Job], *, jobs: int, on_progress: Callable[[str], None] |
             if bound > job.capacity:
                 pruned[i] = [_pruned(c, bound, job.profile, job.capacity, job.margin) for c in _choices(job, lightest)]
         live = [i for i in range(len(work)) if i not in pruned]
+        if on_progress is not None:
+            at = "in full" if len(main) == 1 else f"at {' and '.join(map(str, main))} blocks"
+            on_progress(
+                f"{len(work)} strategy x AC x TP combinations: {len(pruned)} pruned by the memory bound, "
+                f"{len(live)} to trace {at} with {jobs} worker(s)"
+            )
 
         def traced_label(job: _Job, n: int | None) -> str:
             return f"traced {job.label()}" + ("" if n is None else f" at {n} blocks")

@@ -1,7 +1,7 @@
 """`Choice`: one configuration the advisor (`advise.py`) costs, and how to run it.
 
     choice.passes(device="h100")        # the PassConfig it wraps with
-    choice.train_flags(...)             # the `simplefsdp train` flags that run it
+    choice.train_settings()             # the `simplefsdp train` settings it chooses (advised_run.py)
     choice.wrap_call(...)               # the Python that wraps a model as it does
 
 `PASS_VARIANTS` lists what the pass may do in the search: the axes re-costed on one trace.
@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 from simplefsdp.inspect.dryrun import AC_POLICIES
 from simplefsdp.offload import TIERS
@@ -73,27 +74,21 @@ class Choice:
             return PassConfig(bucket=BucketConfig(plan="auto", device=device, memory_budget=self.memory_budget))
         return PassConfig(bucket=BucketConfig(plan="blocks"), reorder=ReorderConfig(prefetch_depth=self.prefetch_depth))
 
-    def train_flags(self, *, param_dtype: str, reduce_dtype: str, batch: int, seq: int, profile: str) -> str:
-        """The `simplefsdp train` flags that run this configuration."""
-        flags = [
-            f"--strategy {self.strategy.value}",
-            f"--tp {self.tp}",
-            f"--activation-checkpoint {self.ac}",
-            f"--bucket-plan {self.plan}",
-            f"--param-dtype {param_dtype}",
-            f"--reduce-dtype {reduce_dtype}",
-            f"--batch-per-rank {batch}",
-            f"--seq-len {seq}",
-        ]
+    def train_settings(self) -> dict[str, Any]:
+        """The `simplefsdp train` settings (`TrainConfig` fields) this choice sets; the run's model,
+        dtypes and sizes come from `advised_run.run_settings`."""
+        settings: dict[str, Any] = {
+            "strategy": self.strategy.value,
+            "tp": self.tp,
+            "activation_checkpoint": self.ac,
+            "bucket_plan": self.plan,
+        }
         if self.prefetch_depth is not None:
-            flags.append(f"--prefetch-depth {self.prefetch_depth}")
-        if self.plan == "auto":
-            flags.append(f"--profile {profile}")
+            settings["prefetch_depth"] = self.prefetch_depth
         if self.memory_budget is not None:
-            flags.append(f"--memory-budget {self.memory_budget:g}")
-        if self.offload != "none":
-            flags.append(f"--offload {self.offload}")
-        return " ".join(flags)
+            settings["memory_budget"] = f"{self.memory_budget:g}"
+        settings["offload"] = self.offload
+        return settings
 
     def wrap_call(self, *, param_dtype: str, reduce_dtype: str, profile: str, shard_size: int | None) -> str:
         """Python that wraps a model as this configuration does (a CUDA job under torchrun)."""

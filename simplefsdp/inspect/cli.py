@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from simplefsdp.inspect.tables import console
 from simplefsdp.settings import AC_POLICIES, DTYPES, TIERS, parse_memory_budget, profile_names
 from simplefsdp.strategy import ShardingStrategy
-from simplefsdp.writable import check_directory
+from simplefsdp.writable import check_directory, check_file
 
 __all__ = ["add_arguments", "main"]
 
@@ -74,6 +74,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--advise",
         action="store_true",
         help="search strategy x AC x bucket plan x prefetch (x --tp degrees) and rank what fits by speed",
+    )
+    parser.add_argument(
+        "--advise-toml",
+        default=None,
+        metavar="FILE",
+        help="--advise: also write the advised run as a `simplefsdp train --config` TOML file",
     )
     parser.add_argument(
         "--device",
@@ -157,6 +163,10 @@ def _check(args: argparse.Namespace) -> None:
         raise ValueError(f"--margin must be in [0, 1), got {args.margin}")
     if args.out is not None:
         check_directory(args.out, name="--out")
+    if args.advise_toml is not None:
+        if not args.advise:
+            raise ValueError("--advise-toml writes what --advise advises: give --advise")
+        check_file(args.advise_toml, name="--advise-toml")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -249,6 +249,10 @@ def trace_depth(
     torch.compiler.reset()  # a fresh Dynamo cache: each trace is a new model of the same class
     if isinstance(shape, ModelShape):
         module, example = shape.build(n_layers=n_layers), shape.example_input(batch=settings.batch, seq=settings.seq)
+        if settings.ac != "none":  # the built-in model's blocks: torch's checkpoint warning is noise for them
+            from simplefsdp.train.quiet import drop_benign_torch_warnings  # here: train imports inspect
+
+            drop_benign_torch_warnings()
     else:
         module, example = built_by(shape)
     _prepare(module, ac=settings.ac, tp_mesh=settings.tp_mesh)

@@ -15,7 +15,6 @@ from rich.console import Console
 import simplefsdp
 from simplefsdp.blocks import find_repeated_blocks
 from simplefsdp.inspect.dryrun import DryRunResult, dry_run
-from simplefsdp.inspect.dryrun_view import assumed_sizes
 from simplefsdp.inspect.offload_cost import copy_fraction, reshards, with_plan
 from simplefsdp.inspect.shapes import ModelShape, model_shape
 from simplefsdp.inspect.verdict import MemoryVerdict, memory_verdict
@@ -137,10 +136,12 @@ def advise_command(args: argparse.Namespace, out: Console) -> int:
     fixed = {"--plan": args.plan, "--memory-budget": args.memory_budget, "--max-in-flight-gib": args.max_in_flight_gib}
     if args.offload == "auto":
         raise ValueError("--advise searches the offload tiers itself; --offload auto plans one dry run")
+    if args.advise_toml and ":" in args.model:
+        raise ValueError("--advise-toml writes a `simplefsdp train` run of a named shape; a factory's model has none")
     given = [flag for flag, value in fixed.items() if value is not None]
     if given:
         raise ValueError(f"--advise searches the bucket plans and prefetch depths itself; drop {', '.join(given)}")
-    advice = run_advise(args, model=model_of(args), mp_policy=mp_policy(args))
-    batch, seq = assumed_sizes(args) or (None, None)
-    show_advice(advice, args, out, batch=batch, seq=seq)
+    model = model_of(args)
+    advice = run_advise(args, model=model, mp_policy=mp_policy(args))
+    show_advice(advice, args, out, shape=model if isinstance(model, ModelShape) else None)
     return 0

@@ -62,6 +62,17 @@ class ModelShape:
     def n_layers(self) -> int:
         return self.args.n_layers
 
+    def resized(self, **sizes: int) -> ModelShape:
+        """This shape with some of its `TransformerArgs` replaced (`dim`, `n_layers`, `n_heads`,
+        `ffn_dim`, `max_seq_len`, ...): how `simplefsdp train --shape` applies its overrides.
+        ValueError when the query heads no longer group over the key / value heads."""
+        args = dataclasses.replace(self.args, **sizes)
+        if self.n_kv_heads is not None and args.n_heads % self.n_kv_heads:
+            raise ValueError(
+                f"{self.name}: n_heads ({args.n_heads}) must be a multiple of its key / value heads ({self.n_kv_heads})"
+            )
+        return dataclasses.replace(self, args=args)
+
     def build(self, *, n_layers: int | None = None, device: str | torch.device = "meta") -> nn.Module:
         """The model, with `n_layers` blocks instead of the shape's own number if given."""
         args = dataclasses.replace(self.args, n_layers=n_layers or self.args.n_layers)

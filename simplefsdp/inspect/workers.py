@@ -59,7 +59,7 @@ class Workers:
 
     def _progress(self, done: int, total: int, what: str) -> None:
         if self._on_progress is not None:
-            self._on_progress(f"{what} ({done} of {total})")
+            self._on_progress(f"[{done}/{total}] {what}")
 
     def map(self, task: Callable[..., Any], calls: Sequence[tuple], *, label: Callable[..., str]) -> list[Any]:
         """`task(*call)` for each call, results in `calls`' order; `label(*call)` names a call in

@@ -22,7 +22,7 @@ import logging
 import math
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 try:
     import tomllib
@@ -32,7 +32,21 @@ from simplefsdp.settings import DTYPES, TIERS, dtype_name, parse_memory_budget
 from simplefsdp.strategy import ShardingStrategy
 from simplefsdp.train.schedule import COSINE_FLOOR, SCHEDULES
 
-__all__ = ["ConfigError", "TrainConfig", "check_world", "load_accelerate", "load_toml", "parse_args", "to_toml"]
+if TYPE_CHECKING:
+    from simplefsdp.inspect.shapes import ModelShape  # torch: imported where a shape is named
+
+__all__ = [
+    "SHAPE_SIZES",
+    "ConfigError",
+    "TrainConfig",
+    "check_world",
+    "load_accelerate",
+    "load_toml",
+    "parse_args",
+    "shape_of",
+    "shape_sizes",
+    "to_toml",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -50,9 +64,15 @@ class TrainConfig:
     """One training run. Sizes are per data-parallel rank unless they say otherwise. Training never
     reads the corpus's held-out tail (`data.split`), whatever `eval_every` says."""
 
-    # model: a Hugging Face causal LM (--model), or a Llama-style decoder (simplefsdp.models.Transformer,
-    # the vocabulary the corpus's characters) sized by the next five settings
+    # model: a Hugging Face causal LM (--model), or a Llama-style decoder (simplefsdp.models.Transformer)
+    # sized by a named shape (--shape, its vocabulary and key / value heads) and the next five settings
+    # (without a shape: the vocabulary the corpus's characters)
     model: str = _field("", "a transformers causal LM: a directory holding config.json, or module:function")
+    shape: str = _field(
+        "",
+        "a named model shape of `simplefsdp inspect` (tiny, llama3-8b, ...), built on the meta device and "
+        "materialized sharded; its dim, n_layers, n_heads and ffn_dim are the defaults of those settings",
+    )
     init_from: str = _field("", "initial weights: a safetensors checkpoint in the Hugging Face layout")
     layer_classes: str = _field("", "comma-separated module class names: one bucket (and checkpoint) per module")
     dim: int = _field(128, "model width")
@@ -150,6 +170,8 @@ class TrainConfig:
             raise ConfigError(f"dim ({self.dim}) must be n_heads ({self.n_heads}) times an even head dim")
         if self.steps == 0 and not self.export_dir:
             raise ConfigError("steps 0 (load, then export) needs export_dir")
+        if self.shape:
+            self._check_shape()
         if self.model and self.tp > 1:
             raise ConfigError(f"tp ({self.tp}) is for the built-in model; --model trains with data parallelism only")
         if self.n_heads % self.tp or self.ffn_dim % self.tp:
@@ -171,6 +193,28 @@ class TrainConfig:
             except ValueError as error:
                 raise ConfigError(f"profile: {error}") from None
 
+    def _check_shape(self) -> None:
+        from simplefsdp.train.data import VOCAB
+
+        if self.model:
+            raise ConfigError(f"shape ({self.shape!r}) and model ({self.model!r}) each name the model: give one")
+        args = shape_of(self).args
+        if args.vocab_size < len(VOCAB):
+            raise ConfigError(
+                f"shape {self.shape!r}: its vocabulary ({args.vocab_size}) is smaller than the corpus's "
+                f"{len(VOCAB)} tokens"
+            )
+        if args.tie_embeddings and self.tp > 1:
+            raise ConfigError(
+                f"tp ({self.tp}): shape {self.shape!r} ties its output head to the embedding, and the "
+                "tensor-parallel plan shards the two apart (they would train untied); use tp 1"
+            )
+        from simplefsdp.inspect.shapes import model_shape  # torch: only once a shape is named
+
+        kv_heads = model_shape(self.shape).n_kv_heads
+        if kv_heads is not None and kv_heads % self.tp:
+            raise ConfigError(f"tp ({self.tp}) must divide shape {self.shape!r}'s key / value heads ({kv_heads})")
+
     @property
     def sharding(self) -> ShardingStrategy:
         return ShardingStrategy.parse(self.strategy)
@@ -186,6 +230,33 @@ class TrainConfig:
 
             return "cuda" if torch.cuda.is_available() else "cpu"
         return self.device
+
+
+SHAPE_SIZES = ("dim", "n_layers", "n_heads", "ffn_dim")  # what a shape sets and its flags override
+
+
+def shape_sizes(name: str) -> dict[str, int]:
+    """The settings a named shape gives its model (the defaults `--dim` etc. override); ConfigError
+    naming the known shapes for an unknown one."""
+    from simplefsdp.inspect.shapes import model_shape  # torch: only once a shape is named
+
+    try:
+        args = model_shape(name).args
+    except ValueError as err:
+        raise ConfigError(f"shape: {err}") from None
+    return {size: getattr(args, size) for size in SHAPE_SIZES}
+
+
+def shape_of(config: TrainConfig) -> ModelShape:
+    """The model `config.shape` names, sized by `config` (its sizes, and the sequence as its longest)."""
+    from simplefsdp.inspect.shapes import model_shape
+
+    try:
+        return model_shape(config.shape).resized(
+            **{size: getattr(config, size) for size in SHAPE_SIZES}, max_seq_len=config.seq_len
+        )
+    except ValueError as err:
+        raise ConfigError(f"shape: {err}") from None
 
 
 def check_world(config: TrainConfig, world_size: int) -> None:
@@ -317,11 +388,14 @@ def load_accelerate(path: str | Path) -> dict[str, Any]:
 
 
 def parse_args(argv: Sequence[str]) -> TrainConfig:
-    """Defaults, then the `--config` file (TOML, or an Accelerate YAML file), then the flags."""
+    """Defaults, then a `shape`'s sizes, then the `--config` file (TOML, or an Accelerate YAML
+    file), then the flags: a size given in the file or as a flag overrides the shape's."""
     values = vars(build_parser().parse_args(list(argv)))
     path = values.pop("config", None)
     settings = {} if not path else load_accelerate(path) if str(path).endswith((".yaml", ".yml")) else load_toml(path)
     settings.update(values)
+    if settings.get("shape"):
+        settings = {**shape_sizes(settings["shape"]), **settings}
     try:
         return TrainConfig(**settings)
     except ConfigError as err:

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["CORPUS", "HELD_OUT_FRACTION", "VOCAB", "TokenBatches", "encode", "split"]
+__all__ = ["CORPUS", "HELD_OUT_FRACTION", "VOCAB", "TokenBatches", "encode", "repeated_corpus", "split"]
 
 CORPUS = """\
 Sharding a model means that no single worker holds all of it. Each worker keeps one slice of every
@@ -56,6 +56,17 @@ def split(ids: torch.Tensor, *, seq_len: int) -> tuple[torch.Tensor, torch.Tenso
             f"{len(ids)} tokens; {held} are held out for evaluation)"
         )
     return ids[:-held], ids[-held:]
+
+
+def repeated_corpus(*, seq_len: int) -> torch.Tensor:
+    """The corpus's token ids, repeated as often as windows of `seq_len + 1` tokens need (at least
+    once), in host memory whatever the default device: a named shape's sequences (8192 for Llama 3)
+    are longer than the corpus. Longer than `2 * (seq_len + 2)` tokens, so that `split` leaves a
+    window in the training head and one in the held-out tail (the tail then repeats text the head
+    holds: a long shape's held-out loss is not held out)."""
+    with torch.device("cpu"):
+        ids = encode(CORPUS)
+    return ids.repeat(max(1, -(-(2 * (seq_len + 2) + 1) // len(ids))))
 
 
 class TokenBatches:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import os
 
 import torch
 import torch.distributed as dist
@@ -16,6 +17,7 @@ from simplefsdp.checkpoint.train_state import read_train_state
 from simplefsdp.offload_plan import OffloadPlan
 from simplefsdp.ranks import gets_the_result, run_on_ranks, spawn_world, under_torchrun
 from simplefsdp.train.config import ConfigError, TrainConfig, check_world
+from simplefsdp.train.fit import check_fits
 from simplefsdp.train.loop import TrainOutcome, check_fresh_start, check_model, train
 from simplefsdp.train.offload_auto import plan_for
 from simplefsdp.writable import check_directory, check_file
@@ -78,9 +80,15 @@ def launch(config: TrainConfig) -> TrainOutcome | None:
         check_world(config, world)
         check_fresh_start(config)
         check_model(config)
+        check_fits(config, world_size=world, device_type=device_type, ranks_here=world)
         if config.offload == "auto":
             plan = plan_for(config, world_size=world, device_type=device_type)
-    elif config.offload == "auto":
+    elif config.offload != "auto":  # each torchrun rank checks its machine before building
+        world = int(os.environ["WORLD_SIZE"])
+        check_world(config, world)
+        here = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+        check_fits(config, world_size=world, device_type=device_type, ranks_here=here)
+    else:
         raise ConfigError(
             "offload auto plans before the ranks start, which torchrun does not leave room for: run without "
             "torchrun, or choose a tier (--offload optimizer or all)"

@@ -51,8 +51,8 @@ from simplefsdp.passes import cost
 from simplefsdp.passes.install import pass_of
 from simplefsdp.settings import parse_memory_budget, torch_dtype
 from simplefsdp.train import comm, hf_model
-from simplefsdp.train.config import ConfigError, TrainConfig
-from simplefsdp.train.data import CORPUS, VOCAB, TokenBatches, encode, split
+from simplefsdp.train.config import ConfigError, TrainConfig, shape_of
+from simplefsdp.train.data import CORPUS, VOCAB, TokenBatches, encode, repeated_corpus, split
 from simplefsdp.train.evaluate import HeldOut, lm_loss
 from simplefsdp.train.grad_norm import clip_grad_norm, grad_norm
 from simplefsdp.train.output import RunOutput, summary_line
@@ -144,6 +144,8 @@ def unwrapped_model(config: TrainConfig) -> tuple[nn.Module, torch.Tensor | None
     if config.model:
         model = hf_model.build(config.model)
         return model, hf_model.corpus_ids(config.model, model)
+    if config.shape:
+        return shape_of(config).build(device=torch.get_default_device()), repeated_corpus(seq_len=config.seq_len)
     args = TransformerArgs(
         vocab_size=len(VOCAB),
         dim=config.dim,
@@ -190,9 +192,10 @@ def build_model(
     what `--offload auto` planned (`offload_auto.py`)."""
     dp_mesh, tp_mesh, dp_rank, dp_size = _meshes(config, device.type)
     torch.manual_seed(config.seed)
-    # [Note: --init-from builds no full parameter] in hf_model.py
+    # [Note: --init-from builds no full parameter] in hf_model.py; a shape is built on meta and
+    # materialized after wrap(): each rank allocates its shards, one full parameter at a time
     lazy = hf_model.parameters_on_meta() if config.init_from else contextlib.nullcontext()
-    with device, lazy:
+    with device, lazy, torch.device("meta") if config.shape else contextlib.nullcontext():
         model, corpus = unwrapped_model(config)
     if config.init_from:
         hf_model.retie(model)
@@ -218,11 +221,23 @@ def build_model(
     if config.init_from:
         hf_model.allocate_shards(model, device)
         hf_model.load_weights(model, config.init_from)
+    elif config.shape:
+        simplefsdp.materialize(model, device=device)
+    logger.info("model: %s, %s parameters", config.shape or config.model or "the built-in Transformer", _count(model))
     if config.backend == "eager":
         step_fn = model
     else:
         step_fn = torch.compile(model, backend="simplefsdp_aot_eager" if config.backend == "aot_eager" else "inductor")
     return TrainSetup(model=model, step_fn=step_fn, dp_rank=dp_rank, dp_size=dp_size, corpus=corpus)
+
+
+def _count(model: nn.Module) -> str:
+    """The model's parameter count (global, not this rank's shards), e.g. "8.03B"."""
+    count = sum(p.numel() for p in model.parameters())  # DTensors count globally
+    for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if count >= scale:
+            return f"{count / scale:,.2f}{unit}"
+    return str(count)
 
 
 def check_fresh_start(config: TrainConfig) -> None:
@@ -345,7 +360,8 @@ def train(
             text = held.sample(step_fn, setup.model, tokens=config.sample_tokens, device=device)
             out.say(f"sample ({config.sample_tokens} tokens, greedy, after the held-out prompt):\n{text}")
             outcome = dataclasses.replace(outcome, sample=text)
-        out.finish(_summary_record(outcome))
+        parameters = sum(p.numel() for p in setup.model.parameters())  # global counts: DTensors report them
+        out.finish({**_summary_record(outcome), "parameters": parameters})
     finally:
         out.close()
     if config.export_dir:

@@ -1,5 +1,5 @@
-"""What `simplefsdp train` keeps off the terminal unless `--verbose`: torch's warnings that are
-known to be benign for the command's own model.
+"""What `simplefsdp train` keeps off the terminal unless `--verbose` (and `simplefsdp inspect` for a
+named shape): torch's warnings that are known to be benign for the commands' own model.
 
 [Note: filtered narrowly]
 Each entry names the logger a warning comes from and a phrase of its message; a record is dropped
@@ -8,8 +8,9 @@ only when both match, so any other warning of the same logger still shows. Entri
   torch.compile" (`_compat.CHECKPOINT_CONTEXT_FN_WARNING`): torch asks the user to make sure a
   selectively checkpointed region has no in-place ops. The built-in `Transformer`'s blocks have
   none (checked on torch 2.13), so for the train command this is noise, printed by every rank
-  through the progress bar. For a user's own model, `simplefsdp.checkpoint_blocks` leaves it on:
-  there it is a real question.
+  through the progress bar; `simplefsdp inspect` traces the same blocks (a named shape; their
+  grouped-query attention has no in-place op either) in every configuration with checkpointing.
+  For a user's own model, `simplefsdp.checkpoint_blocks` leaves it on: there it is a real question.
 """
 
 from __future__ import annotations

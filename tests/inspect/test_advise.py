@@ -8,12 +8,17 @@ measured memory run in the full suite."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import random
+import shlex
+import subprocess
+import sys
 
 import pytest
 
 from simplefsdp.inspect import cli
 from simplefsdp.inspect.advise import PASS_VARIANTS, Choice, advise, rank_rows
+from simplefsdp.inspect.advised_run import run_settings, torchrun_command, train_command, write_toml
 from simplefsdp.inspect.dryrun import dry_run
 from simplefsdp.inspect.shapes import model_shape
 from simplefsdp.strategy import ShardingStrategy
@@ -173,47 +178,100 @@ def test_deep_shapes_extrapolate_from_a_steady_state():
     assert (again.result.step_s, again.result.peak_bytes) == (default.result.step_s, default.result.peak_bytes)
 
 
-def test_choice_renders_the_flags_and_the_wrap_call():
+def _settings(choice: Choice, *, shape: str = "tiny", seq: int = 64, world_size: int = 8) -> dict:
+    return run_settings(
+        choice,
+        shape=model_shape(shape),
+        param_dtype="bf16",
+        reduce_dtype="fp32",
+        batch=1,
+        seq=seq,
+        profile="h100",
+        shard_size=None,
+        world_size=world_size,
+    )
+
+
+def test_choice_renders_the_train_command_its_toml_file_and_the_wrap_call(tmp_path):
     choice = Choice(strategy=ShardingStrategy.FULL_SHARD, ac="full", tp=2, plan="blocks", prefetch_depth=2)
-    flags = choice.train_flags(param_dtype="bf16", reduce_dtype="fp32", batch=1, seq=64, profile="h100")
-    config = parse_args(flags.split())  # the train command takes them as they are
-    settings = (config.strategy, config.tp, config.activation_checkpoint, config.bucket_plan, config.prefetch_depth)
-    assert settings == ("FULL_SHARD", 2, "full", "blocks", 2)
+    settings = _settings(choice)
+    command = train_command(settings)
+    assert command.startswith("simplefsdp train --shape tiny ")
+    config = parse_args(shlex.split(command)[2:])  # the train command takes it as it is
+    from_file = parse_args(["--config", str(write_toml(settings, tmp_path / "advised.toml"))])
+    for run in (config, from_file):
+        assert {key: getattr(run, key) for key in settings} == settings
+    assert (config.shape, config.strategy, config.tp, config.activation_checkpoint) == ("tiny", "FULL_SHARD", 2, "full")
+    assert (config.bucket_plan, config.prefetch_depth, config.nproc) == ("blocks", 2, 8)
     assert (config.param_dtype, config.reduce_dtype, config.batch_per_rank, config.seq_len) == ("bf16", "fp32", 1, 64)
+    assert (config.dim, config.n_layers) == (model_shape("tiny").args.dim, model_shape("tiny").args.n_layers)
     code = choice.wrap_call(param_dtype="bf16", reduce_dtype="fp32", profile="h100", shard_size=None)
     assert 'parallelize_module(model, mesh["tp"], tensor_parallel_plan(model))' in code
     assert 'simplefsdp.checkpoint_blocks(model, policy="full")' in code
     assert "ReorderConfig(prefetch_depth=2)" in code
     compile(code, "<wrap call>", "exec")  # valid Python
     auto = dataclasses.replace(choice, plan="auto", prefetch_depth=None, tp=1, memory_budget=0.25)
-    flags = auto.train_flags(param_dtype="bf16", reduce_dtype="fp32", batch=1, seq=8, profile="h100")
-    assert "--profile h100" in flags
-    assert parse_args(flags.split()).memory_budget == "0.25"
+    auto_settings = _settings(auto)
+    assert (auto_settings["profile"], auto_settings["memory_budget"]) == ("h100", "0.25")
+    assert parse_args(shlex.split(train_command(auto_settings))[2:]).memory_budget == "0.25"
     assert 'BucketConfig(plan="auto", device="h100", memory_budget=0.25)' in auto.wrap_call(
         param_dtype="bf16", reduce_dtype="fp32", profile="h100", shard_size=None
     )
     for tier, policy in (("optimizer", "OffloadPolicy(parameters=False)"), ("all", "OffloadPolicy()")):
         offloaded = dataclasses.replace(choice, offload=tier)
-        flags = offloaded.train_flags(param_dtype="bf16", reduce_dtype="fp32", batch=1, seq=8, profile="h100")
-        assert parse_args(flags.split()).offload == tier
+        assert parse_args(shlex.split(train_command(_settings(offloaded)))[2:]).offload == tier
         code = offloaded.wrap_call(param_dtype="bf16", reduce_dtype="fp32", profile="h100", shard_size=None)
         assert f"offload=simplefsdp.{policy}," in code
         compile(code, "<wrap call>", "exec")
     assert "offload" not in choice.wrap_call(param_dtype="bf16", reduce_dtype="fp32", profile="h100", shard_size=None)
 
 
-def test_cli_prints_the_ranking_and_the_winner(capsys):
+def test_the_torchrun_line_starts_the_advised_world_and_a_resized_shape_keeps_its_sizes():
+    choice = Choice(strategy=ShardingStrategy.SHARD_GRAD_OP, ac="none", tp=1, plan="auto", prefetch_depth=None)
+    settings = _settings(choice, shape="llama3-8b", seq=8192, world_size=64)
+    line = torchrun_command(settings, world_size=64)
+    assert line.startswith("torchrun --nnodes 8 --nproc-per-node 8 --rdzv-backend c10d ")
+    assert " -m simplefsdp.train --shape llama3-8b --strategy SHARD_GRAD_OP " in line
+    assert "--nproc" not in line.split("-m simplefsdp.train", 1)[1], "torchrun starts the ranks"
+    assert torchrun_command(settings, world_size=2, config="a.toml") == (
+        "torchrun --nnodes 1 --nproc-per-node 2 --standalone -m simplefsdp.train --config a.toml"
+    )
+    resized = run_settings(
+        choice,
+        shape=model_shape("llama3-8b").resized(n_layers=4),
+        param_dtype="bf16",
+        reduce_dtype="fp32",
+        batch=1,
+        seq=8192,
+        profile="h100",
+        shard_size=None,
+        world_size=64,
+    )
+    assert resized["n_layers"] == 4
+    assert "dim" not in resized
+    assert parse_args(shlex.split(train_command(resized))[2:]).n_layers == 4
+
+
+def test_cli_prints_the_ranking_and_the_winner_and_writes_its_run(capsys, tmp_path):
     argv = ["tiny", "--world", "8", "--device", "h100", "--advise", "--ac", "none", "--device-memory-gib", "1"]
-    argv += ["--jobs", "1"]  # one trace: worker processes would cost more than they save
+    argv += ["--jobs", "1", "--advise-toml", str(tmp_path / "advised.toml")]  # one trace: no worker processes
     assert cli.main([*argv, "--strategy", "FULL_SHARD", "--offload", "none"]) == 0
-    out = " ".join(capsys.readouterr().out.split())
+    captured = capsys.readouterr()
+    out = " ".join(captured.out.split())
     assert "6 configurations, 1 traced" in out, "--strategy and --ac restrict the search"
     assert "SHARD_GRAD_OP" not in out
     assert "advise: tiny at world 8 on h100" in out
     assert "run: " in out
-    assert "simplefsdp train --strategy" in out
+    command = next(line for line in captured.out.splitlines() if line.startswith("simplefsdp train "))
+    assert command.startswith("simplefsdp train --shape tiny --strategy FULL_SHARD ")
+    assert parse_args(shlex.split(command)[2:]) == parse_args(["--config", str(tmp_path / "advised.toml")])
+    assert f"torchrun --nnodes 1 --nproc-per-node 8 --standalone -m simplefsdp.train --config {tmp_path}" in out
     assert "simplefsdp.wrap(" in out
     assert "built-in 'h100' profile (datasheet numbers" in out
+    progress = captured.err.splitlines()  # not a terminal: a line per round and task of the search
+    assert progress[0].startswith("advise: [1/1] sharded FULL_SHARD, AC none, TP 1")
+    assert progress[1].startswith("advise: 1 strategy x AC x TP combinations: 0 pruned by the memory bound, 1 to")
+    assert progress[2].startswith("advise: [1/1] traced FULL_SHARD, AC none, TP 1")
 
 
 def test_where_nothing_fits_on_the_device_it_advises_offloading_with_the_command(capsys):
@@ -243,6 +301,10 @@ def test_where_nothing_fits_on_the_device_it_advises_offloading_with_the_command
         (["--device", "tpu-v9"], "unknown"),
         (["--plan", "auto", "--memory-budget", "0.2"], "searches the bucket plans and prefetch depths itself; drop"),
         (["--strategy", "HYBRID_SHARD"], "shard_size must divide the world size 8"),
+        (
+            ["--advise-toml", "/nonexistent/a.toml"],
+            "--advise-toml /nonexistent/a.toml: directory /nonexistent does not",
+        ),
     ],
 )
 def test_cli_bad_input_is_one_line_naming_it(capsys, argv, message):
@@ -303,3 +365,24 @@ def test_tensor_parallel_rows_rank_by_throughput_not_step_time(tiny_w8):
     )
     assert tp.result.step_s < dp.result.step_s
     assert rank_rows([tp, dp]) == (dp, tp)
+
+
+@pytest.mark.slow
+def test_the_printed_command_trains_the_advised_shape(capsys, tmp_path):
+    """The advice for "tiny" at world 2, its `simplefsdp train` line run as printed (2 steps, eager,
+    added): the ranks train a model of tiny's parameter count with the advised settings."""
+    argv = ["tiny", "--world", "2", "--device", "cpu-gloo", "--device-memory-gib", "1", "--advise"]
+    assert cli.main([*argv, "--ac", "none", "--strategy", "FULL_SHARD", "--jobs", "1"]) == 0
+    out = capsys.readouterr().out
+    command = shlex.split(next(line for line in out.splitlines() if line.startswith("simplefsdp train ")))
+    metrics = tmp_path / "metrics.jsonl"
+    extra = ["--steps", "2", "--backend", "eager", "--no-progress", "--checkpoint-dir", str(tmp_path / "ckpt")]
+    run = [sys.executable, "-m", "simplefsdp.cli", *command[1:], *extra, "--metrics-file", str(metrics)]
+    done = subprocess.run(run, capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr
+    assert "model: tiny, 29.54K parameters" in done.stderr
+    summary = next(json.loads(line)["summary"] for line in metrics.read_text().splitlines() if "summary" in line)
+    assert summary["parameters"] == sum(p.numel() for p in model_shape("tiny").build().parameters())
+    assert summary["end_step"] == 2
+    config = parse_args(command[2:])
+    assert (config.shape, config.nproc, config.strategy, config.param_dtype) == ("tiny", 2, "FULL_SHARD", "bf16")
