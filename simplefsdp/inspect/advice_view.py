@@ -61,14 +61,14 @@ def ranking_table(advice: Advice, *, rows: int, wide: bool = False) -> Table:
         Column("strategy"),
         Column("AC"),
         Column("TP", right=True),
-        Column("plan"),
-        Column("offload"),
-        Column("step ms", right=True),
+        Column("plan", wrap=True),
+        Column("offload", wrap=True),
+        Column("step ms", right=True, wide=True),
         Column("tokens/s/GPU", right=True),
         Column("MFU", wide=True),
         Column("peak / rank"),
         Column("exposed", wide=True),
-        Column(""),
+        Column("", wrap=True),
     ]
     cells = []
     for i, row in enumerate(advice.rows[:rows], 1):

@@ -44,7 +44,7 @@ def _show_verdict(verdict: MemoryVerdict, result: DryRunResult, out: Console, *,
     parts = table(
         "",
         [
-            Column(f"peak memory per rank ({_depth(result)[1]}), by part"),
+            Column(f"peak memory per rank ({_depth(result)[1]}), by part", wrap=True),
             Column("bytes", right=True),
             Column("share", right=True),
         ],
@@ -92,7 +92,13 @@ def _summary(result: DryRunResult, *, wide: bool) -> Table:
     rows.append((f"peak memory / rank ({whole})", _mib(result.peak_bytes)))
     if result.offload != "none":
         rows.append((f"offload {result.offload}: host memory / rank", _mib(result.host_bytes)))
-    return table("simplefsdp inspect: dry run", [Column(""), Column("")], rows, wide=wide, show_header=False)
+    return table(
+        "simplefsdp inspect: dry run",
+        [Column("", wrap=True), Column("", wrap=True)],
+        rows,
+        wide=wide,
+        show_header=False,
+    )
 
 
 def _tables(result: DryRunResult, rows: int, *, wide: bool = False) -> list[Table]:
@@ -104,7 +110,7 @@ def _tables(result: DryRunResult, rows: int, *, wide: bool = False) -> list[Tabl
             Column("id", right=True),
             Column("phase"),
             Column("collective"),
-            Column("modules"),
+            Column("modules", wrap=True),
             Column("params", right=True),
             Column("elements", right=True, wide=True),
             Column("bytes", right=True),
@@ -132,12 +138,12 @@ def _tables(result: DryRunResult, rows: int, *, wide: bool = False) -> list[Tabl
         f"schedule on {schedule.device.name} (cost model)",
         [
             Column("collective"),
-            Column("launched before"),
-            Column("waited before"),
+            Column("launched before", wrap=True),
+            Column("waited before", wrap=True),
             Column("comm ms", right=True, wide=True),
             Column("overlap ms", right=True, wide=True),
             Column("exposed ms", right=True),
-            Column("status"),
+            Column("status", wrap=True),
         ],
         [
             (
@@ -158,7 +164,7 @@ def _tables(result: DryRunResult, rows: int, *, wide: bool = False) -> list[Tabl
     mem = table(
         f"memory per rank: the {traced}{offload}"
         + (f"; the verdict below is for {whole}" if result.extrapolated else ""),
-        [Column(""), Column("", right=True)],
+        [Column("", wrap=True), Column("", right=True)],
         [
             ("sharded parameters", _mib(memory.params_bytes)),
             ("sharded gradients", _mib(memory.grads_bytes)),

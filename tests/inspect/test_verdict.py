@@ -218,12 +218,13 @@ def test_the_tables_read_at_80_columns_and_wide_shows_every_column(small_w8):
     assert "..." not in narrow
     for header in ("elements", "group", "comm ms", "overlap ms"):
         assert header not in narrow
+    assert "reduce_scatter" in narrow, "names and numbers keep their width; only prose wraps"
     wide = _printed(small_w8, ["tiny", "--world", "8", "--wide"], width=10_000)
     assert "…" not in wide
     for header in ("elements", "group", "comm ms", "overlap ms", "launched before", "exposed ms"):
         assert header in wide
     event = small_w8.report.schedule.comm[0]
-    assert f"│ {event.launched_before} " in wide, "a cell on one line"
+    assert any(event.launched_before in line for line in wide.splitlines()), "a cell on one line"
 
 
 def test_the_assumed_batch_and_the_traced_depth_are_printed_with_the_verdict(small_w8):
