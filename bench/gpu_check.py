@@ -66,7 +66,21 @@ WORLD = 8
 
 def gpu_tests(*, timeout: float, log: Path | None = None) -> str:
     """The summary line of `pytest -m gpu tests/gpu`, e.g. "7 passed in 95.1s"; the whole output to `log`."""
-    command = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-rA", "-p", "no:cacheprovider", "tests/gpu"]
+    # -n 0: in one process, the tests one after another (they share the one device and time it)
+    command = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-m",
+        "gpu",
+        "-n",
+        "0",
+        "-q",
+        "-rA",
+        "-p",
+        "no:cacheprovider",
+        "tests/gpu",
+    ]
     try:
         done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=timeout, check=False)
     except subprocess.TimeoutExpired as e:

@@ -18,8 +18,9 @@ def pytest_configure(config):
     """[Note: a fresh compile cache per test session]
     Inductor's on-disk caches outlive a session: a graph compiled by another version of the pass
     would be served to this one whenever the incoming graph matches, and the tests that claim to
-    test the pass would test that other version. Each session compiles into its own directory
-    (inherited by the spawned ranks and the torchrun jobs), shared by its tests and removed after."""
+    test the pass would test that other version. Each session -- each worker process of the parallel
+    suite -- compiles into its own directory (inherited by the spawned ranks and the torchrun jobs),
+    shared by its tests and removed after."""
     config._simplefsdp_cache_dir = tempfile.mkdtemp(prefix="simplefsdp-test-inductor-")
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = config._simplefsdp_cache_dir
 
