@@ -223,21 +223,11 @@ def build_model(
         hf_model.load_weights(model, config.init_from)
     elif config.shape:
         simplefsdp.materialize(model, device=device)
-    logger.info("model: %s, %s parameters", config.shape or config.model or "the built-in Transformer", _count(model))
     if config.backend == "eager":
         step_fn = model
     else:
         step_fn = torch.compile(model, backend="simplefsdp_aot_eager" if config.backend == "aot_eager" else "inductor")
     return TrainSetup(model=model, step_fn=step_fn, dp_rank=dp_rank, dp_size=dp_size, corpus=corpus)
-
-
-def _count(model: nn.Module) -> str:
-    """The model's parameter count (global, not this rank's shards), e.g. "8.03B"."""
-    count = sum(p.numel() for p in model.parameters())  # DTensors count globally
-    for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
-        if count >= scale:
-            return f"{count / scale:,.2f}{unit}"
-    return str(count)
 
 
 def check_fresh_start(config: TrainConfig) -> None:
@@ -354,6 +344,7 @@ def train(
         out.say(f"float16: the loss is scaled (initial scale {optim.scaler.get_scale():g}); skipped steps are counted")
     try:
         outcome = _steps(config, setup, optim, batches, out, held, start=start, device=device)
+        out.steps_done()  # the bar ends with the steps: the sample prints below it
         if config.sample_tokens and outcome.end_step > start:
             # [Note: one no-grad graph] in evaluate.py: compiled only where evaluation compiled it
             step_fn = setup.step_fn if config.eval_every else setup.model

@@ -41,7 +41,7 @@ logger = logging.getLogger(__name__)
 def _count(n: int) -> str:
     for size, suffix in ((10**9, "B"), (10**6, "M"), (10**3, "K")):
         if n >= size:
-            return f"{n / size:.1f}{suffix}"
+            return f"{n / size:.2f}{suffix}"
     return str(n)
 
 
@@ -50,8 +50,9 @@ def summary_line(
 ) -> str:
     """The start-up line: what is trained, how, and where its run folder is."""
     reduce = config.param_dtype if config.reduce_dtype == "auto" else config.reduce_dtype
+    model = config.shape or config.model or "built-in model"
     fields = [
-        f"{_count(parameters)} parameters",
+        f"{model}, {_count(parameters)} parameters",
         "mesh " + " x ".join(f"{name}={size}" for name, size in mesh),
         config.strategy,
         f"{config.param_dtype}/{reduce}",
@@ -132,6 +133,10 @@ class RunOutput:
     def plot(self) -> None:
         """Rewrite `loss.png` from the whole of `metrics.jsonl`."""
         write_loss_curve(read_records(self.run / "metrics.jsonl"), self.run / "loss.png")
+
+    def steps_done(self) -> None:
+        """After the last step: the bar closes (its rate is the steps', not what follows)."""
+        self.bar.close()
 
     def finish(self, summary: dict[str, Any]) -> None:
         """After the last step: the run's summary record and the loss curve."""

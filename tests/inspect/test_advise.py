@@ -380,7 +380,7 @@ def test_the_printed_command_trains_the_advised_shape(capsys, tmp_path):
     run = [sys.executable, "-m", "simplefsdp.cli", *command[1:], *extra, "--metrics-file", str(metrics)]
     done = subprocess.run(run, capture_output=True, text=True, timeout=300, check=False)
     assert done.returncode == 0, done.stderr
-    assert "model: tiny, 29.54K parameters" in done.stderr
+    assert "simplefsdp train: tiny, 29.54K parameters | mesh dp=2 |" in done.stderr
     summary = next(json.loads(line)["summary"] for line in metrics.read_text().splitlines() if "summary" in line)
     assert summary["parameters"] == sum(p.numel() for p in model_shape("tiny").build().parameters())
     assert summary["end_step"] == 2

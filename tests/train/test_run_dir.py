@@ -41,8 +41,8 @@ def test_summary_line():
     config = TrainConfig(steps=100, checkpoint_dir="ckpt", reduce_dtype="fp32", param_dtype="bf16")
     line = summary_line(config, parameters=2_134_000, mesh=[("dp", 2), ("tp", 2)], tokens_per_step=1024, start=40)
     assert line == (
-        "simplefsdp train: 2.1M parameters | mesh dp=2 x tp=2 | FULL_SHARD | bf16/fp32 | offload none | "
-        "1,024 tokens/step | steps 41-100 | inductor | run folder ckpt/run"
+        "simplefsdp train: built-in model, 2.13M parameters | mesh dp=2 x tp=2 | FULL_SHARD | bf16/fp32 | "
+        "offload none | 1,024 tokens/step | steps 41-100 | inductor | run folder ckpt/run"
     )
     other = TrainConfig(run_dir="elsewhere", backend="eager")
     assert summary_line(other, parameters=950, mesh=[("dp", 1)], tokens_per_step=64, start=0).endswith(
