@@ -1,4 +1,4 @@
-"""CUDA paths, `gpu`-marked: collected everywhere, skipped without CUDA; `python -m pytest -m gpu` on a GPU machine.
+"""CUDA paths, `gpu`-marked: collected everywhere, skipped without CUDA; `pytest -m gpu -n 0` on a GPU machine.
 
 Each module here mirrors CPU tests that check the same logic without a GPU (named in its docstring).
 """
@@ -13,6 +13,6 @@ __all__ = ["CUDA_ONLY"]
 CUDA_ONLY = [
     pytest.mark.gpu,
     pytest.mark.skipif(
-        not torch.cuda.is_available(), reason="needs a CUDA device: run `python -m pytest -m gpu` on a GPU machine"
+        not torch.cuda.is_available(), reason="needs a CUDA device: run `python -m pytest -m gpu -n 0` on a GPU machine"
     ),
 ]
