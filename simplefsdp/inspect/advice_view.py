@@ -36,6 +36,8 @@ def _verdict_cell(row: Row) -> str:
         return "[red]no (bound, not traced)[/red]"
     if row.steady is False:
         return "[yellow]unsteady extrapolation (not ranked)[/yellow]"
+    if row.steady is None and verdict.fits:  # [Note: checking only what can win] in advise.py
+        return "[green]fits[/green], not checked (cannot win)"
     if verdict.fits:
         return "[green]fits[/green]"
     if verdict.host_fits is False:

@@ -39,25 +39,37 @@ blocks and extrapolating] in `dryrun.py`, which traces 4 and 5 for the default p
 needs the extra depth: with prefetch depth 2 the backward's gathered buffers of an
 activation-checkpointed Llama-3-70B grow by 1.6 GiB from 4 to 5 blocks and by nothing from 5 to
 6, and the auto plan's buckets can span two blocks, so one added block need not add a block's
-worth. Where a row fits by that extrapolation, its configuration is also traced at 4 blocks, and
-a row whose extrapolation from (4, 5) disagrees with the one from (5, 6) by more than 10% in step
-time or peak is marked unsteady: shown, never ranked as fitting. A configuration none of whose
-rows fits is not traced at 4 blocks: no check could make it fit (its rows show steadiness "not
-checked").
+worth. Where a row fits by that extrapolation, its configuration may also be traced at 4 blocks
+(see [Note: checking only what can win]), and a row whose extrapolation from (4, 5) disagrees with
+the one from (5, 6) by more than 10% in step time or peak is marked unsteady: shown, never ranked
+as fitting. A configuration none of whose rows fits is not traced at 4 blocks: no check could make
+it fit (its rows show steadiness "not checked").
+
+[Note: checking only what can win]
+A check changes no number -- the rows stay extrapolated from (5, 6) -- it only marks rows steady or
+not, and only a steady row can win. So the configurations with a fitting row are checked in the
+order of the best rank one of their rows could take, two at a time (`CHECK_BATCH`: a fixed number,
+so that which rows are checked does not depend on the workers), and the checks stop once a
+checked steady row ranks before everything an unchecked configuration could offer: the winner is
+then the one a check of every configuration would have found. The unchecked configurations' rows
+that fit are ranked after the checked ones that fit ("fits, not checked"), before the rest; for
+Llama-3-8B at world 64, one round of two checks in place of six.
 
 [Note: the search's rounds]
 The work is cut into tasks small enough to keep every worker busy (`workers.py`): first the
 persistent memory of each (strategy, TP) pair, which decides the pruning; then one task per
 configuration and traced depth -- trace, then re-cost every pass variant on that depth's graphs,
 sending back numbers, not graphs; last, the 4-block traces of the configurations that have a row
-that fits. A round waits for the one before it; the tasks of a round run in any order and their
-results are put back in the search's order, so the rows are the same with any number of workers.
+that fits, best first, until the winner is decided ([Note: checking only what can win]). A round
+waits for the one before it; the tasks of a round run in any order and their results are put back
+in the search's order, so the rows are the same with any number of workers.
 
 [Note: ranking]
 Rows that fit with the margin (and are steady) come first, most tokens per second over the world
 first -- not the shortest step: a step with tensor parallelism of degree t trains t times fewer
 sequences on the same GPUs (a factory model's tokens are unknown; it has no TP and its step time
-decides). Then the rest, smallest peak first. Ties keep the search's fixed order (`Choice.order`:
+decides). Then the rows that fit but were not checked (in the same order; [Note: checking only what
+can win]), then the rest, smallest peak first. Ties keep the search's fixed order (`Choice.order`:
 TP, strategy, AC, pass variant), so the ranking is a pure function of the traced graphs, the
 profile, the capacity and the margin: the same answer every time, in any number of processes.
 
@@ -456,14 +468,43 @@ def _search(work: list[_Job], *, jobs: int, on_progress: Callable[[str], None] |
         found = iter(workers.map(_trace_and_cost, calls, label=traced_label))
         by_job = {i: [next(found) for _ in main] for i in live}
         rows = {i: _rows(work[i], by_job[i], main, held, steady=None if len(main) == 2 else True) for i in live}
-        check = [i for i in live if len(main) == 2 and any(row.verdict.fits for row in rows[i])]
-        extra = workers.map(_trace_and_cost, [(work[i], depths_all[0]) for i in check], label=traced_label)
-        for i, earlier in zip(check, extra, strict=True):
-            rows[i] = _rows(work[i], [earlier, *by_job[i]], depths_all, held, steady=None)
+        # [Note: checking only what can win]: best first, CHECK_BATCH at a time
+        unchecked = sorted(
+            (i for i in live if len(main) == 2 and any(row.verdict.fits for row in rows[i])),
+            key=lambda i: _potential(rows[i]),
+        )
+        checked: list[int] = []
+        while unchecked and not _decided(rows, checked, unchecked):
+            batch, unchecked = unchecked[:CHECK_BATCH], unchecked[CHECK_BATCH:]
+            extra = workers.map(_trace_and_cost, [(work[i], depths_all[0]) for i in batch], label=traced_label)
+            for i, earlier in zip(batch, extra, strict=True):
+                rows[i] = _rows(work[i], [earlier, *by_job[i]], depths_all, held, steady=None)
+            checked += batch
+        if unchecked and on_progress is not None:
+            on_progress(f"{len(unchecked)} configuration(s) left unchecked: none of their rows can beat the winner")
     ordered = [row for i in range(len(work)) for row in (pruned.get(i) or rows[i])]
     return ordered, len(live)
 
 
+def _speed_key(row: Row) -> tuple:
+    """How [Note: ranking] orders two rows that fit: most tokens/s first (a factory model: shortest step)."""
+    return (-row.result.tokens_per_s if row.result.tokens else row.result.step_s, row.choice.order())
+
+
+def _potential(rows: Sequence[Row]) -> tuple:
+    """The rank its configuration's best row would take if checked steady: the best speed key among
+    the rows that fit by the extrapolation (an extrapolation does not change when checked)."""
+    return min(_speed_key(row) for row in rows if row.verdict.fits)
+
+
+def _decided(rows: dict[int, list[Row]], checked: Sequence[int], unchecked: Sequence[int]) -> bool:
+    """Whether a checked row that fits (steady) ranks before every row an unchecked configuration
+    could offer: then no check can change the winner."""
+    best = [_speed_key(row) for i in checked for row in rows[i] if row.fits]
+    return bool(best) and all(min(best) <= _potential(rows[i]) for i in unchecked)
+
+
+CHECK_BATCH = 2  # configurations checked at 4 blocks per round of checks ([Note: checking only what can win])
 UNSTEADY = 0.1  # relative disagreement between the two extrapolations that marks a row unsteady
 
 
@@ -523,8 +564,10 @@ def rank_rows(rows: Sequence[Row]) -> tuple[Row, ...]:
 
     def key(row: Row) -> tuple:
         if row.fits:
-            return (0, -row.result.tokens_per_s if row.result.tokens else row.result.step_s, row.choice.order())
-        return (1, row.verdict.peak_bytes, row.choice.order())
+            return (0, *_speed_key(row))
+        if row.steady is None and row.verdict.fits:  # fits, not checked: it could not have won
+            return (1, *_speed_key(row))
+        return (2, row.verdict.peak_bytes, row.choice.order())
 
     return tuple(sorted(rows, key=key))
 

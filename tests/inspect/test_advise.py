@@ -16,6 +16,7 @@ import sys
 
 import pytest
 
+from simplefsdp.inspect import advise as advise_module
 from simplefsdp.inspect import cli
 from simplefsdp.inspect.advise import PASS_VARIANTS, Choice, advise, rank_rows
 from simplefsdp.inspect.advised_run import run_settings, torchrun_command, train_command, write_toml
@@ -127,6 +128,40 @@ def test_a_bound_above_the_memory_prunes_without_tracing():
     assert len(pruned) == len(PASS_VARIANTS)
     assert all(row.bound_bytes > tight and not row.fits for row in pruned)
     assert advice.traces == 3, "FULL_SHARD twice, SHARD_GRAD_OP with checkpointing (it re-gathers)"
+
+
+@pytest.mark.slow
+def test_checks_stop_once_the_winner_is_decided(monkeypatch):
+    """[Note: checking only what can win]: two configurations of a deep shape fit; checked best first
+    one at a time, the first decides the winner that checking both finds, the other's rows stay "not
+    checked" and rank after the checked rows that fit."""
+    deep = dataclasses.replace(model_shape("tiny").args, n_layers=10)
+    shape = dataclasses.replace(model_shape("tiny"), name="tiny-10", args=deep)
+    search = dict(
+        world_size=8,
+        device="h100",
+        ac=("none",),
+        strategies=("FULL_SHARD", "SHARD_GRAD_OP"),
+        capacity_bytes=2**30,
+        max_traced_blocks=2,
+        jobs=2,
+        offload=("none",),
+    )
+    every = advise(shape, **search)  # CHECK_BATCH 2: both in one round of checks
+    monkeypatch.setattr(advise_module, "CHECK_BATCH", 1)
+    decided = advise(shape, **search)
+    assert all(row.verdict.fits for row in every.rows), "the premise: both configurations have rows that fit"
+    assert all(isinstance(row.steady, bool) for row in every.rows)
+    assert decided.winner.choice == every.winner.choice
+    assert decided.winner.result.step_s == every.winner.result.step_s
+    checked = {r.choice.strategy for r in decided.rows if r.steady is not None}
+    assert checked == {decided.winner.choice.strategy}, "the best configuration, checked first, decided it"
+    unchecked = [r for r in decided.rows if r.steady is None]
+    assert len(unchecked) == len(PASS_VARIANTS)
+    assert all(r.verdict.fits and not r.fits for r in unchecked), "fits by the extrapolation, not ranked as fitting"
+    ranks = {id(r): i for i, r in enumerate(decided.rows)}
+    fitting = [ranks[id(r)] for r in decided.rows if r.fits]
+    assert max(fitting) < min(ranks[id(r)] for r in unchecked), "checked rows that fit rank first"
 
 
 @pytest.mark.slow
