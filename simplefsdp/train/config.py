@@ -164,7 +164,7 @@ class TrainConfig:
             raise ConfigError(f"grad_clip must be a finite number >= 0 (0: off); got {self.grad_clip}")
         if self.warmup_steps > self.steps > 0:
             raise ConfigError(f"warmup_steps ({self.warmup_steps}) must be at most steps ({self.steps})")
-        if self.lr <= 0 or self.bucket_cap_mib <= 0:
+        if not (self.lr > 0 and self.bucket_cap_mib > 0):  # nan too: it compares false
             raise ConfigError(f"lr and bucket_cap_mib must be positive; got {self.lr} and {self.bucket_cap_mib}")
         if self.dim % self.n_heads or (self.dim // self.n_heads) % 2:
             raise ConfigError(f"dim ({self.dim}) must be n_heads ({self.n_heads}) times an even head dim")

@@ -42,6 +42,7 @@ def _write(tmp_path, text: str | None) -> str:
         (["--tp", "3"], "tp (3) must divide n_heads"),
         (["--profile", "tpu9"], "profile: unknown device profile 'tpu9'"),
         (["--lr-schedule", "linear"], "argument --lr-schedule: invalid choice: 'linear'"),
+        (["--lr", "nan"], "lr and bucket_cap_mib must be positive; got nan and 64.0"),
         (["--warmup-steps", "-1"], "warmup_steps must be >= 0; got -1"),
         (["--warmup-steps", "101"], "warmup_steps (101) must be at most steps (100)"),
         (["--grad-clip", "-1"], "grad_clip must be a finite number >= 0 (0: off); got -1.0"),
