@@ -32,7 +32,10 @@ from torch import nn
 
 from simplefsdp._compat import tree_map_only
 
-__all__ = ["MixedPrecisionPolicy"]
+__all__ = ["QUANTIZED_GATHER_DTYPES", "MixedPrecisionPolicy"]
+
+# what `MixedPrecisionPolicy.gather_dtype` accepts: the code type each sharded element travels as
+QUANTIZED_GATHER_DTYPES = ("int8", "float8_e4m3fn")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -46,14 +49,29 @@ class MixedPrecisionPolicy:
         output_dtype: if set, floating-point forward outputs of the wrapped model are cast to it.
         cast_forward_inputs: cast floating-point tensors passed to the wrapped model's forward
             to `param_dtype`, so a bf16 model can be fed fp32 inputs.
+        gather_dtype: `"int8"` or `"float8_e4m3fn"`: the sharded parameters travel the all-gather
+            as block-scaled codes of this type and are dequantized into `param_dtype` (lossy; see
+            [Note: quantized gathers]). `None` (default): they travel in `param_dtype`.
+        gather_block: elements per quantization block (one fp32 scale each), a power of two from
+            8 to 8192; blocks start at each rank's shard of each parameter.
     """
 
     param_dtype: torch.dtype | None = None
     reduce_dtype: torch.dtype | None = None
     output_dtype: torch.dtype | None = None
     cast_forward_inputs: bool = True
+    gather_dtype: str | None = None
+    gather_block: int = 128
 
     def __post_init__(self) -> None:
+        if self.gather_dtype is not None and self.gather_dtype not in QUANTIZED_GATHER_DTYPES:
+            raise ValueError(
+                f"MixedPrecisionPolicy.gather_dtype must be one of {', '.join(map(repr, QUANTIZED_GATHER_DTYPES))} "
+                f"or None, got {self.gather_dtype!r}"
+            )
+        block = self.gather_block
+        if isinstance(block, bool) or not isinstance(block, int) or not 8 <= block <= 8192 or block & (block - 1):
+            raise ValueError(f"MixedPrecisionPolicy.gather_block must be a power of two from 8 to 8192, got {block!r}")
         for field in ("param_dtype", "reduce_dtype", "output_dtype"):
             dtype = getattr(self, field)
             if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
@@ -67,7 +85,7 @@ class MixedPrecisionPolicy:
             return torch.float32
         return dtype
 
-    def gather_dtype(self, master: torch.dtype) -> torch.dtype:
+    def compute_dtype(self, master: torch.dtype) -> torch.dtype:
         """dtype of the all-gathered (compute) parameter for a master of dtype `master`."""
         return self.param_dtype or master
 

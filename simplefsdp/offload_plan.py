@@ -144,7 +144,7 @@ def offload_units(
         unit = max(inside, key=len) if inside else REST
         elements = -(-param.numel() // world_size)
         master = mp_policy.master_dtype(param.dtype)
-        compute = mp_policy.gather_dtype(master)
+        compute = mp_policy.compute_dtype(master)
         trainable = param.requires_grad
         totals[unit][0] += elements * master.itemsize
         totals[unit][1] += state_per_master * elements * master.itemsize if trainable else 0

@@ -303,7 +303,7 @@ def _shard_parameters(model: nn.Module, params: dict[str, nn.Parameter], setting
             if first:
                 sharded[id(param)], layouts[id(param)] = _shard(param, settings, fqn=fqn, host=host)
                 if host is not None and host.keep_device_copy:
-                    dtype = settings.mp_policy.gather_dtype(sharded[id(param)].dtype)
+                    dtype = settings.mp_policy.compute_dtype(sharded[id(param)].dtype)
                     attach_device_copy(sharded[id(param)], device=host.device, dtype=dtype)
             tied_key = f"{settings.wrap_id}/{fqn}" if holders[id(param)] > 1 else None
             specs[name] = _spec(
@@ -338,7 +338,7 @@ def _spec(
     return GatherSpec(
         fqn=fqn,
         mesh_ndim=settings.mesh.ndim,
-        param_dtype=settings.mp_policy.gather_dtype(param.dtype),
+        param_dtype=settings.mp_policy.compute_dtype(param.dtype),
         reduce_dtype=settings.mp_policy.reduction_dtype(param.dtype),
         reduce_op=settings.reduce_op,
         reshard_after_forward=settings.reshard_after_forward,

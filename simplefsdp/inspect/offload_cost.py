@@ -56,7 +56,7 @@ def check_tier(profile: DeviceProfile, tier: str) -> None:
 
 def copy_fraction(mp_policy: MixedPrecisionPolicy, master: torch.dtype = torch.float32) -> float:
     """The bytes of a shard in the compute dtype per byte of its `master`."""
-    return mp_policy.gather_dtype(master).itemsize / master.itemsize
+    return mp_policy.compute_dtype(master).itemsize / master.itemsize
 
 
 def reshards(strategy: ShardingStrategy, ac: str) -> bool:

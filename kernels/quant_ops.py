@@ -1,0 +1,108 @@
+"""The quantized all-gather's two copy ops: `torch.ops.simplefsdp.quant_copy_in` / `quant_copy_out`.
+
+    buf  = quant_copy_in(shards, chunks, code_dtype, block, world, rank)   # uint8 [world * slot];
+                                                                            # slot `rank` written
+    full = quant_copy_out(wait(all_gather(buf's slot)), chunks, sizes, ndims, world,
+                          code_dtype, block, dtype)                         # each in its shape, in dtype
+
+The bytes are `quantize.py`'s (the specification, and the torch-ops implementation the CPU runs);
+they are registered like the plain copy ops (`copy_ops.py`: one `CompositeExplicitAutograd` kernel,
+a fake kernel, no derivative -- the quantized gather's backward is its own, see
+`simplefsdp/quantized_gather.py`), checked up front, and a bucket of any size is one call each.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from simplefsdp._compat import OpOverload
+from simplefsdp.kernels import quantize
+from simplefsdp.kernels.copy_ops import _check_chunks, _check_dtype, _check_tensors, _register, split_shapes
+
+__all__ = ["QUANT_COPY_IN", "QUANT_COPY_OUT", "QUANT_FAKE_IMPLS"]
+
+
+def _check_code_dtype(code_dtype: torch.dtype, block: int) -> None:
+    if code_dtype not in quantize.CODE_DTYPES:
+        raise ValueError(f"code_dtype is {code_dtype}; supported: {', '.join(map(str, quantize.CODE_DTYPES))}")
+    if block < 1 or block & (block - 1):
+        raise ValueError(f"block must be a power of two, got {block}")
+
+
+def _quant_copy_in(
+    shards: list[torch.Tensor], chunks: list[int], code_dtype: torch.dtype, block: int, world: int, rank: int
+) -> torch.Tensor:
+    """The `[world * slot]` byte buffer with slot `rank` holding `shards` quantized (`quantize.py`);
+    the other slots are left unwritten (the in-place all-gather fills them)."""
+    _check_tensors("shards", shards)
+    _check_code_dtype(code_dtype, block)
+    _check_chunks(chunks, len(shards))
+    if not 0 <= rank < world:
+        raise ValueError(f"rank {rank} is not in [0, world = {world})")
+    for i, (s, c) in enumerate(zip(shards, chunks, strict=True)):
+        if s.numel() > c:
+            raise ValueError(f"shards[{i}] has {s.numel()} elements, more than its chunk of {c}")
+    layout = quantize.slot_layout(chunks, block)
+    device = shards[0].device if shards else torch.device("cpu")
+    out = torch.empty(world * layout.nbytes, dtype=torch.uint8, device=device)
+    out.narrow(0, rank * layout.nbytes, layout.nbytes).copy_(quantize.quantize_slot(shards, chunks, code_dtype, block))
+    return out
+
+
+def _quant_copy_in_fake(shards, chunks, code_dtype, block, world, rank):
+    device = shards[0].device if shards else torch.device("cpu")
+    return torch.empty(world * quantize.slot_layout(chunks, block).nbytes, dtype=torch.uint8, device=device)
+
+
+QUANT_COPY_IN: OpOverload = _register(
+    "quant_copy_in(Tensor[] shards, SymInt[] chunks, ScalarType code_dtype, SymInt block, SymInt world, "
+    "SymInt rank) -> Tensor",
+    _quant_copy_in,
+    _quant_copy_in_fake,
+)
+
+
+def _quant_copy_out(
+    gathered: torch.Tensor,
+    chunks: list[int],
+    sizes: list[int],
+    ndims: list[int],
+    world: int,
+    code_dtype: torch.dtype,
+    block: int,
+    dtype: torch.dtype,
+) -> list[torch.Tensor]:
+    """Each member's full value, dequantized into `dtype`, padding stripped, in its shape
+    (`split_shapes(sizes, ndims)`), from the gathered `[world * slot]` bytes."""
+    _check_code_dtype(code_dtype, block)
+    _check_dtype("dtype", dtype)
+    if gathered.dtype != torch.uint8:
+        raise ValueError(f"gathered has dtype {gathered.dtype}; the quantized gather's buffer is uint8")
+    shapes = split_shapes(sizes, ndims)
+    _check_chunks(chunks, len(shapes))
+    layout = quantize.slot_layout(chunks, block)
+    if gathered.numel() != world * layout.nbytes:
+        raise ValueError(f"gathered has {gathered.numel()} bytes; world {world} x slot {layout.nbytes} expected")
+    for i, (c, shape) in enumerate(zip(chunks, shapes, strict=True)):
+        if any(d < 0 for d in shape) or math.prod(shape) > world * c:
+            raise ValueError(f"shape {shape} of output {i} does not fit {world} chunks of {c}")
+    numels = [math.prod(shape) for shape in shapes]
+    flat = quantize.dequantize_gathered(gathered.contiguous(), chunks, numels, world, code_dtype, block, dtype)
+    return [value.view(shape) for value, shape in zip(flat, shapes, strict=True)]
+
+
+def _quant_copy_out_fake(gathered, chunks, sizes, ndims, world, code_dtype, block, dtype):
+    return [gathered.new_empty(shape, dtype=dtype) for shape in split_shapes(sizes, ndims)]
+
+
+QUANT_COPY_OUT: OpOverload = _register(
+    "quant_copy_out(Tensor gathered, SymInt[] chunks, SymInt[] sizes, SymInt[] ndims, SymInt world, "
+    "ScalarType code_dtype, SymInt block, ScalarType dtype) -> Tensor[]",
+    _quant_copy_out,
+    _quant_copy_out_fake,
+)
+
+# the fake functions the graph pass calls directly ([Note: the copy ops' output metadata, directly])
+QUANT_FAKE_IMPLS = {QUANT_COPY_IN: _quant_copy_in_fake, QUANT_COPY_OUT: _quant_copy_out_fake}

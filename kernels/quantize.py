@@ -1,0 +1,200 @@
+"""Block-scaled quantization of sharded parameters for the all-gather: the specification, in torch ops.
+
+A quantized gather sends, for each parameter of a bucket, this rank's shard as one-byte codes with one
+fp32 scale per block of `block` elements, and every rank dequantizes the gathered codes straight into
+the compute dtype. This module defines the bytes exactly; the copy ops (`quant_ops.py`) run it through
+these torch ops on the CPU and through Triton kernels elsewhere, and the two agree bit for bit.
+
+The slot (what one rank contributes; `slot_layout`): the codes of every member, back to back, member i
+at byte `code_offsets[i]` (`chunks[i]` bytes: its padded shard, one byte an element), then zeros up to
+the next multiple of 16 bytes (`scales_start`), then every member's scales as fp32, member i's at
+float `scale_offsets[i]` of that section (`blocks(chunks[i])` of them), then zeros to a multiple of
+16 bytes (`nbytes`). Blocks start at each member's chunk: a block never holds two parameters. The
+padding of a short shard (zeros) can share a block with its last elements, which it cannot change:
+a zero moves no absmax and decodes to zero.
+
+One block `x` (fp32: the master's values, exactly; padding zeros) becomes, with `QMAX` = 127 (int8)
+or 448 (float8_e4m3fn, its largest finite value):
+
+    absmax = max |x|;   scale = absmax / QMAX  (IEEE division)
+    y = x * (QMAX / absmax), clamped to [-QMAX, QMAX]   (0 when absmax is 0)
+    int8:  code = round-half-even(y) as a two's-complement byte
+    fp8:   code = y rounded to nearest-even e4m3fn (integer bit arithmetic, below)
+
+and decodes to `float(code) * scale`, cast to the output dtype (bf16: nearest-even, as torch rounds).
+
+[Note: quantized gathers]
+Why block scales and where the error lands: a block's values are known to within half a code step,
+`absmax / 254` for int8 (plus a few fp32 roundings, far below it: the tests allow `absmax * 2**-20`)
+and, for e4m3fn, half a unit in the last place (relative 2**-4 of the value; 2**-10 of the scale in
+the subnormal range). ZeRO++ gathers int8 weights with per-block scales for the same reason: one
+outlier only coarsens its own block.
+
+A block holding an inf or a nan has no meaningful scale: its scale is nan and its codes 0, so every
+element of the block decodes to nan -- never to a finite wrong value, and the loss shows it at once.
+
+Every step is integer arithmetic or a correctly rounded fp32 operation (multiply, IEEE division,
+the add-and-subtract of 1.5 * 2**23 that rounds half to even), so a GPU kernel, Triton's CPU
+interpreter (whose own float casts do not round like torch's) and these ops compute the same bits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Sequence
+
+import torch
+
+__all__ = [
+    "CODE_DTYPES",
+    "QMAX",
+    "SlotLayout",
+    "decode",
+    "dequantize_gathered",
+    "encode",
+    "quantize_slot",
+    "slot_layout",
+]
+
+# the code types a gather may use, and the largest magnitude each encodes
+CODE_DTYPES = (torch.int8, torch.float8_e4m3fn)
+QMAX = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0}
+ROUND_MAGIC = 12582912.0  # 1.5 * 2**23: (y + M) - M rounds an fp32 |y| < 2**22 half to even
+ALIGN = 16  # bytes: where the scale section and each rank's slot start
+
+
+def _round_up(n: int, to: int) -> int:
+    return -(-n // to) * to
+
+
+@dataclasses.dataclass(frozen=True)
+class SlotLayout:
+    """Byte layout of one rank's slot for a bucket of `chunks` (elements per member) in blocks of `block`."""
+
+    chunks: tuple[int, ...]
+    block: int
+    code_offsets: tuple[int, ...]  # bytes, from the slot's start
+    scale_offsets: tuple[int, ...]  # fp32 elements, from `scales_start`
+    scales_start: int  # bytes, a multiple of ALIGN
+    nbytes: int  # the slot's size in bytes, a multiple of ALIGN
+
+    def blocks(self, i: int) -> int:
+        """Blocks (so scales) of member `i`."""
+        return -(-self.chunks[i] // self.block)
+
+    @property
+    def n_scales(self) -> int:
+        return sum(self.blocks(i) for i in range(len(self.chunks)))
+
+
+@functools.lru_cache(maxsize=1024)
+def _layout(chunks: tuple[int, ...], block: int) -> SlotLayout:
+    if block < 1 or block & (block - 1):
+        raise ValueError(f"block must be a power of two, got {block}")
+    if any(c < 0 for c in chunks):
+        raise ValueError(f"chunks must be >= 0, got {list(chunks)}")
+    code_offsets, scale_offsets, codes, scales = [], [], 0, 0
+    for chunk in chunks:
+        code_offsets.append(codes)
+        scale_offsets.append(scales)
+        codes += chunk
+        scales += -(-chunk // block)
+    scales_start = _round_up(codes, ALIGN)
+    nbytes = _round_up(scales_start + 4 * scales, ALIGN)
+    return SlotLayout(chunks, block, tuple(code_offsets), tuple(scale_offsets), scales_start, nbytes)
+
+
+def slot_layout(chunks: Sequence[int], block: int) -> SlotLayout:
+    """The slot layout (module docstring) of a bucket whose members have `chunks` elements per rank."""
+    return _layout(tuple(int(c) for c in chunks), int(block))
+
+
+def encode(y: torch.Tensor, code_dtype: torch.dtype) -> torch.Tensor:
+    """uint8 codes of fp32 `y` (finite, |y| <= QMAX[code_dtype]): int8 round-half-even, or e4m3fn
+    round-to-nearest-even from the fp32 bits (a normal keeps 3 of 23 mantissa bits; below 2**-6 the
+    subnormal step is 2**-9)."""
+    if code_dtype == torch.int8:
+        q = (y + ROUND_MAGIC) - ROUND_MAGIC
+        return q.to(torch.int32).bitwise_and(0xFF).to(torch.uint8)
+    bits = y.view(torch.int32)
+    sign = (bits < 0).to(torch.int32) * 128
+    a = bits.bitwise_and(0x7FFFFFFF)
+    exponent = a >> 23
+    mantissa = a.bitwise_and(0x7FFFFF)
+    keep = mantissa >> 20
+    rest = mantissa.bitwise_and(0xFFFFF)
+    up = (rest > 0x80000) | ((rest == 0x80000) & (keep.bitwise_and(1) == 1))
+    normal = ((exponent - 120) << 3) + keep + up.to(torch.int32)
+    subnormal = ((a.view(torch.float32) * 512.0 + ROUND_MAGIC) - ROUND_MAGIC).to(torch.int32)
+    code = torch.where(exponent >= 121, normal, subnormal) + sign
+    return code.to(torch.uint8)
+
+
+def decode(codes: torch.Tensor, code_dtype: torch.dtype) -> torch.Tensor:
+    """fp32 values of uint8 `codes` (exact: every code is an fp32 value)."""
+    if code_dtype == torch.int8:
+        return codes.view(torch.int8).to(torch.float32)
+    c = codes.to(torch.int32)
+    exponent = (c >> 3).bitwise_and(0xF)
+    mantissa = c.bitwise_and(7)
+    normal = (((exponent + 120) << 23) + (mantissa << 20)).view(torch.float32)
+    value = torch.where(exponent > 0, normal, mantissa.to(torch.float32) * 0.001953125)
+    return torch.where(c >= 128, -value, value)
+
+
+def _quantize_blocks(x: torch.Tensor, code_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Codes (uint8, x's shape) and scales (fp32, one per row) of fp32 `x` [blocks, block]."""
+    qmax = QMAX[code_dtype]
+    bad = ((x - x) != 0).any(dim=1)  # an inf or a nan in the block (inf - inf and nan - nan are nan)
+    absmax = torch.where(bad, 0.0, x.abs().amax(dim=1) if x.shape[1] else x.new_zeros(x.shape[0]))
+    inverse = torch.where(absmax > 0, qmax / torch.where(absmax > 0, absmax, 1.0), 0.0)
+    y = torch.where(bad[:, None], 0.0, x * inverse[:, None]).clamp(-qmax, qmax)
+    scales = torch.where(bad, float("nan"), absmax / qmax)
+    return encode(y, code_dtype), scales
+
+
+def quantize_slot(
+    shards: Sequence[torch.Tensor], chunks: Sequence[int], code_dtype: torch.dtype, block: int
+) -> torch.Tensor:
+    """One rank's slot (uint8, `slot_layout(chunks, block).nbytes`) for `shards` (any float dtype,
+    any shape; read in logical order, at most `chunks[i]` elements each)."""
+    layout = slot_layout(chunks, block)
+    device = shards[0].device if shards else torch.device("cpu")
+    slot = torch.zeros(layout.nbytes, dtype=torch.uint8, device=device)
+    scales = slot[layout.scales_start : layout.scales_start + 4 * layout.n_scales].view(torch.float32)
+    for i, (shard, chunk) in enumerate(zip(shards, chunks, strict=True)):
+        n = layout.blocks(i)
+        if not n:
+            continue
+        x = torch.zeros(n * block, dtype=torch.float32, device=device)
+        x[: shard.numel()] = shard.reshape(-1)
+        codes, block_scales = _quantize_blocks(x.view(n, block), code_dtype)
+        slot[layout.code_offsets[i] : layout.code_offsets[i] + chunk] = codes.view(-1)[:chunk]
+        scales[layout.scale_offsets[i] : layout.scale_offsets[i] + n] = block_scales
+    return slot
+
+
+def dequantize_gathered(
+    gathered: torch.Tensor,
+    chunks: Sequence[int],
+    numels: Sequence[int],
+    world: int,
+    code_dtype: torch.dtype,
+    block: int,
+    dtype: torch.dtype,
+) -> list[torch.Tensor]:
+    """Each member's full flat value (`numels[i]` elements, in `dtype`) from the gathered buffer
+    (uint8, `world` slots back to back)."""
+    layout = slot_layout(chunks, block)
+    rows = gathered.view(world, layout.nbytes)
+    scales = rows[:, layout.scales_start : layout.scales_start + 4 * layout.n_scales].contiguous().view(torch.float32)
+    outs = []
+    for i, (chunk, numel) in enumerate(zip(chunks, numels, strict=True)):
+        n = layout.blocks(i)
+        codes = torch.zeros(world, n * block, dtype=torch.uint8, device=gathered.device)
+        codes[:, :chunk] = rows[:, layout.code_offsets[i] : layout.code_offsets[i] + chunk]
+        member_scales = scales[:, layout.scale_offsets[i] : layout.scale_offsets[i] + n]
+        values = decode(codes, code_dtype).view(world, n, block) * member_scales[:, :, None]
+        outs.append(values.view(world, n * block)[:, :chunk].reshape(-1)[:numel].to(dtype))
+    return outs
