@@ -5,8 +5,8 @@
     forward:  slot = quant_copy_in([shard], ...)            # codes + one fp32 scale per block (uint8)
               gathered = wait(all_gather_into_tensor(slot))  # over the mesh dim the shard is split on
               full = quant_copy_out(gathered, ...)[0]        # dequantized straight into param_dtype
-    backward: [cast to reduce_dtype] -> [zero-pad dim 0] -> reduce_scatter_tensor -> wait
-              -> [all_reduce over the replica dim (HYBRID)] -> this rank's rows -> [cast to the master dtype]
+    backward: [cast to reduce_dtype] -> [zero-pad dim 0] -> [all_reduce over the replica dim (HYBRID)]
+              -> reduce_scatter_tensor -> wait -> this rank's rows -> [cast to the master dtype]
 
 The forward is exactly the form the bucketing pass gives a bucket (`passes/bucket.py`) for one member,
 so the pass merges quantized gathers by concatenating their members; the ops are `kernels/quant_ops.py`
@@ -136,9 +136,9 @@ class _QuantizedGatherFn(torch.autograd.Function):
         padded = layout.world * math.ceil(rows / layout.world)
         if padded != rows:
             grad = torch.constant_pad_nd(grad, [0, 0] * (grad.dim() - 1) + [0, padded - rows])
+        for group in layout.replica_groups:  # first, as DTensor does: the same sums in the same order
+            grad = c10d_functional.wait_tensor(c10d_functional.all_reduce(grad, layout.reduce_op, group))
         reduced = c10d_functional.wait_tensor(
             c10d_functional.reduce_scatter_tensor(grad, layout.reduce_op, layout.world, layout.group)
         )
-        for group in layout.replica_groups:
-            reduced = c10d_functional.wait_tensor(c10d_functional.all_reduce(reduced, layout.reduce_op, group))
         return reduced.narrow(0, 0, ctx.local_rows).to(layout.master_dtype), None
