@@ -17,7 +17,8 @@ One block `x` (fp32: the master's values, exactly; padding zeros) becomes, with 
 or 448 (float8_e4m3fn, its largest finite value):
 
     absmax = max |x|;   scale = absmax / QMAX  (IEEE division)
-    y = x * (QMAX / absmax), clamped to [-QMAX, QMAX]   (0 when absmax is 0)
+    y = x * (QMAX / absmax), clamped to [-QMAX, QMAX]   (0 when QMAX / absmax is not finite:
+                                                         absmax 0, or below QMAX / FLT_MAX ~ 4e-37)
     int8:  code = round-half-even(y) as a two's-complement byte
     fp8:   code = y rounded to nearest-even e4m3fn (integer bit arithmetic, below)
 
@@ -30,7 +31,9 @@ and, for e4m3fn, half a unit in the last place (relative 2**-4 of the value; 2**
 the subnormal range). ZeRO++ gathers int8 weights with per-block scales for the same reason: one
 outlier only coarsens its own block.
 
-A block holding an inf or a nan has no meaningful scale: its scale is nan and its codes 0, so every
+A block whose absmax is below QMAX / FLT_MAX (about 3.7e-37 for int8, 1.3e-36 for e4m3fn: far below
+any trained weight) decodes to zeros, an error of at most that absmax. A block holding an inf or a
+nan has no meaningful scale: its scale is nan and its codes 0, so every
 element of the block decodes to nan -- never to a finite wrong value, and the loss shows it at once.
 
 Every step is integer arithmetic or a correctly rounded fp32 operation (multiply, IEEE division,
@@ -45,6 +48,8 @@ import functools
 from collections.abc import Sequence
 
 import torch
+
+from simplefsdp._compat import foreach_copy_
 
 __all__ = [
     "CODE_DTYPES",
@@ -144,14 +149,35 @@ def decode(codes: torch.Tensor, code_dtype: torch.dtype) -> torch.Tensor:
 
 
 def _quantize_blocks(x: torch.Tensor, code_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """Codes (uint8, x's shape) and scales (fp32, one per row) of fp32 `x` [blocks, block]."""
+    """Codes (uint8, x's shape) and scales (fp32, one per row) of fp32 `x` [blocks, block], which
+    it may overwrite. Fewer passes over memory than the module docstring's steps, the same bytes:
+    `torch.round` rounds half to even as the magic add does for |y| <= QMAX; torch's e4m3fn cast is
+    `encode`'s rounding (tested), and neither needs the clamp: |x * (QMAX / absmax)| rounds to at
+    most QMAX."""
     qmax = QMAX[code_dtype]
-    bad = ((x - x) != 0).any(dim=1)  # an inf or a nan in the block (inf - inf and nan - nan are nan)
-    absmax = torch.where(bad, 0.0, x.abs().amax(dim=1) if x.shape[1] else x.new_zeros(x.shape[0]))
-    inverse = torch.where(absmax > 0, qmax / torch.where(absmax > 0, absmax, 1.0), 0.0)
-    y = torch.where(bad[:, None], 0.0, x * inverse[:, None]).clamp(-qmax, qmax)
-    scales = torch.where(bad, float("nan"), absmax / qmax)
-    return encode(y, code_dtype), scales
+    absmax = x.abs().amax(dim=1)  # nan for a block holding a nan (amax propagates it)
+    bad = ~torch.isfinite(absmax)
+    inverse = qmax / absmax
+    inverse = torch.where(torch.isfinite(inverse), inverse, 0.0)  # absmax 0 or below QMAX / FLT_MAX: codes 0
+    if bool(bad.any()):
+        x = x.masked_fill(bad[:, None], 0.0)
+    y = x.mul_(inverse[:, None])
+    if code_dtype == torch.int8:
+        codes = y.round_().to(torch.int8).view(torch.uint8)
+    else:
+        codes = y.to(code_dtype).view(torch.uint8)
+    return codes, torch.where(bad, float("nan"), absmax / qmax)
+
+
+def _staged(shards: Sequence[torch.Tensor], layout: SlotLayout) -> torch.Tensor:
+    """fp32 `[blocks, block]`: every shard's values from its first block on, zeros after its end."""
+    counts = [layout.blocks(i) * layout.block for i in range(len(layout.chunks))]
+    device = shards[0].device if shards else torch.device("cpu")
+    staged = torch.zeros(sum(counts), dtype=torch.float32, device=device)
+    places = [p[: s.numel()] for p, s in zip(staged.split(counts), shards, strict=True) if s.numel()]
+    if places:
+        foreach_copy_(places, [s.reshape(-1) for s in shards if s.numel()])
+    return staged.view(-1, layout.block)
 
 
 def quantize_slot(
@@ -162,16 +188,14 @@ def quantize_slot(
     layout = slot_layout(chunks, block)
     device = shards[0].device if shards else torch.device("cpu")
     slot = torch.zeros(layout.nbytes, dtype=torch.uint8, device=device)
-    scales = slot[layout.scales_start : layout.scales_start + 4 * layout.n_scales].view(torch.float32)
-    for i, (shard, chunk) in enumerate(zip(shards, chunks, strict=True)):
-        n = layout.blocks(i)
-        if not n:
-            continue
-        x = torch.zeros(n * block, dtype=torch.float32, device=device)
-        x[: shard.numel()] = shard.reshape(-1)
-        codes, block_scales = _quantize_blocks(x.view(n, block), code_dtype)
-        slot[layout.code_offsets[i] : layout.code_offsets[i] + chunk] = codes.view(-1)[:chunk]
-        scales[layout.scale_offsets[i] : layout.scale_offsets[i] + n] = block_scales
+    if not layout.n_scales:
+        return slot
+    codes, scales = _quantize_blocks(_staged(shards, layout), code_dtype)
+    codes = codes.view(-1)
+    starts = [sum(layout.blocks(j) for j in range(i)) * block for i in range(len(layout.chunks))]
+    pieces = [codes[start : start + chunk] for start, chunk in zip(starts, layout.chunks, strict=True) if chunk]
+    torch.cat(pieces, out=slot[: sum(layout.chunks)])
+    slot[layout.scales_start : layout.scales_start + 4 * layout.n_scales].view(torch.float32).copy_(scales)
     return slot
 
 
@@ -189,12 +213,18 @@ def dequantize_gathered(
     layout = slot_layout(chunks, block)
     rows = gathered.view(world, layout.nbytes)
     scales = rows[:, layout.scales_start : layout.scales_start + 4 * layout.n_scales].contiguous().view(torch.float32)
+    padded = [layout.blocks(i) * block for i in range(len(layout.chunks))]
+    if list(layout.chunks) == padded:  # every member a whole number of blocks: the codes as they came
+        codes = rows[:, : sum(padded)]
+    else:
+        codes = rows.new_zeros(world, sum(padded))
+        for place, offset, chunk in zip(codes.split(padded, dim=1), layout.code_offsets, layout.chunks, strict=True):
+            place[:, :chunk].copy_(rows[:, offset : offset + chunk])
+    values = decode(codes, code_dtype).view(world, layout.n_scales, block).mul_(scales[:, :, None])
+    values = values.to(dtype).view(world, -1)
     outs = []
-    for i, (chunk, numel) in enumerate(zip(chunks, numels, strict=True)):
-        n = layout.blocks(i)
-        codes = torch.zeros(world, n * block, dtype=torch.uint8, device=gathered.device)
-        codes[:, :chunk] = rows[:, layout.code_offsets[i] : layout.code_offsets[i] + chunk]
-        member_scales = scales[:, layout.scale_offsets[i] : layout.scale_offsets[i] + n]
-        values = decode(codes, code_dtype).view(world, n, block) * member_scales[:, :, None]
-        outs.append(values.view(world, n * block)[:, :chunk].reshape(-1)[:numel].to(dtype))
+    for piece, chunk, numel in zip(values.split(padded, dim=1), layout.chunks, numels, strict=True):
+        out = piece.new_empty(world, chunk)
+        out.copy_(piece[:, :chunk])
+        outs.append(out.view(-1)[:numel])
     return outs
