@@ -17,7 +17,8 @@ One block `x` (fp32: the master's values, exactly; padding zeros) becomes, with 
 or 448 (float8_e4m3fn, its largest finite value):
 
     absmax = max |x|;   scale = absmax / QMAX  (IEEE division)
-    y = x * (QMAX / absmax), clamped to [-QMAX, QMAX]   (0 when absmax is 0)
+    lift = 2**64 when absmax < 2**-64, else 1   (exact: a power of two)
+    y = (x * lift) * (QMAX / (absmax * lift)), clamped to [-QMAX, QMAX]   (0 when absmax is 0)
     int8:  code = round-half-even(y) as a two's-complement byte
     fp8:   code = y rounded to nearest-even e4m3fn (integer bit arithmetic, below)
 
@@ -29,6 +30,14 @@ Why block scales and where the error lands: a block's values are known to within
 and, for e4m3fn, half a unit in the last place (relative 2**-4 of the value; 2**-10 of the scale in
 the subnormal range). ZeRO++ gathers int8 weights with per-block scales for the same reason: one
 outlier only coarsens its own block.
+
+The `lift` keeps `QMAX / absmax` finite: without it a block whose absmax is below QMAX / 2**128
+(about 3.7e-37 for int8, normal fp32 values) gets an infinite inverse, its nonzero values encode as
++-QMAX and its zeros as `0 * inf`, nan -- a wrong value, not a coarse one. Scaling the block and its
+absmax by the same power of two changes no bit elsewhere (both products are exact and the final
+product the same real number), and below 2**-64 every quotient stays finite. What remains for tiny
+blocks is the fp32 scale's own underflow: below about QMAX * 2**-126 the scale is subnormal and
+carries an absolute error up to 2**-150, so a value decodes within a further QMAX * 2**-150 (< 2**-140).
 
 A block holding an inf or a nan has no meaningful scale: its scale is nan and its codes 0, so every
 element of the block decodes to nan -- never to a finite wrong value, and the loss shows it at once.
@@ -61,6 +70,7 @@ __all__ = [
 CODE_DTYPES = (torch.int8, torch.float8_e4m3fn)
 QMAX = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0}
 ROUND_MAGIC = 12582912.0  # 1.5 * 2**23: (y + M) - M rounds an fp32 |y| < 2**22 half to even
+TINY, LIFT = 2.0**-64, 2.0**64  # a block with absmax < TINY is scaled by LIFT first (module docstring)
 ALIGN = 16  # bytes: where the scale section and each rank's slot start
 
 
@@ -148,9 +158,13 @@ def _quantize_blocks(x: torch.Tensor, code_dtype: torch.dtype) -> tuple[torch.Te
     qmax = QMAX[code_dtype]
     bad = ((x - x) != 0).any(dim=1)  # an inf or a nan in the block (inf - inf and nan - nan are nan)
     absmax = torch.where(bad, 0.0, x.abs().amax(dim=1) if x.shape[1] else x.new_zeros(x.shape[0]))
-    inverse = torch.where(absmax > 0, qmax / torch.where(absmax > 0, absmax, 1.0), 0.0)
-    y = torch.where(bad[:, None], 0.0, x * inverse[:, None]).clamp(-qmax, qmax)
-    scales = torch.where(bad, float("nan"), absmax / qmax)
+    lift = torch.where(absmax < TINY, LIFT, 1.0)
+    # tensor / tensor, the IEEE quotient: torch computes `scalar / tensor` as the scalar times the
+    # reciprocal (two roundings: a quarter of quotients 1 ulp off), and on CUDA `tensor / scalar` too
+    qmaxes = torch.full_like(absmax, qmax)
+    inverse = torch.where(absmax > 0, qmaxes / torch.where(absmax > 0, absmax * lift, 1.0), 0.0)
+    y = torch.where(bad[:, None], 0.0, (x * lift[:, None]) * inverse[:, None]).clamp(-qmax, qmax)
+    scales = torch.where(bad, float("nan"), absmax / qmaxes)
     return encode(y, code_dtype), scales
 
 
@@ -188,7 +202,8 @@ def dequantize_gathered(
     (uint8, `world` slots back to back)."""
     layout = slot_layout(chunks, block)
     rows = gathered.view(world, layout.nbytes)
-    scales = rows[:, layout.scales_start : layout.scales_start + 4 * layout.n_scales].contiguous().view(torch.float32)
+    scale_bytes = rows[:, layout.scales_start : layout.scales_start + 4 * layout.n_scales]
+    scales = scale_bytes.reshape(-1).view(torch.float32).view(world, layout.n_scales)  # (a 2-D view fails when empty)
     outs = []
     for i, (chunk, numel) in enumerate(zip(chunks, numels, strict=True)):
         n = layout.blocks(i)
@@ -196,5 +211,6 @@ def dequantize_gathered(
         codes[:, :chunk] = rows[:, layout.code_offsets[i] : layout.code_offsets[i] + chunk]
         member_scales = scales[:, layout.scale_offsets[i] : layout.scale_offsets[i] + n]
         values = decode(codes, code_dtype).view(world, n, block) * member_scales[:, :, None]
-        outs.append(values.view(world, n * block)[:, :chunk].reshape(-1)[:numel].to(dtype))
+        # contiguous: with a chunk of 1 the reshape is a strided view into `values`
+        outs.append(values.view(world, n * block)[:, :chunk].reshape(-1)[:numel].to(dtype).contiguous())
     return outs
