@@ -1,7 +1,9 @@
 """Benchmark the bucket copy ops: GB/s against FSDP2's eager ops, inductor's cat + cast, and plain copy.
 
-    python bench/copy_kernels.py            # needs a CUDA GPU; says so and exits 0 without one
-    python bench/copy_kernels.py --cpu      # the CPU implementations (torch ops), a dim-1024 block by default
+    python bench/copy_kernels.py                # needs a CUDA GPU; says so and exits 0 without one
+    python bench/copy_kernels.py --cpu          # the CPU implementations (torch ops), a dim-1024 block by default
+    python bench/copy_kernels.py --gpu-diagnose # why the Triton copy kernel is below a plain copy (CUDA only;
+                                                # exits 2 without one); under a minute on an H100 / H200
 
 Shapes: the parameters of one Llama-3-8B block (dim 4096, 32 heads, 8 KV heads, ffn 14336), fp32
 masters, sharded over `--world` ranks (default 8). For each op, bytes moved = bytes read + bytes
@@ -17,7 +19,32 @@ written, divided by the median of `--iters` timed calls (CUDA events, after warm
   reduce-scatter copy-in  fp32 full grads -> bf16 [world, bucket], rank chunks interleaved
       ours: torch.ops.simplefsdp.reduce_scatter_copy_in
       FSDP2 eager: cast each grad, then torch._chunk_cat
+  quantized copy-in   fp32 shards -> uint8 slot (int8 or float8_e4m3fn codes, block 128: one fp32 scale a block)
+      torch.ops.simplefsdp.quant_copy_in; bytes: fp32 read + the slot written
+  quantized copy-out  uint8 [world, slot] -> each parameter's full tensor in bf16
+      torch.ops.simplefsdp.quant_copy_out; bytes: the gathered slots read + bf16 written
   plain copy: `dst.copy_(src)` of the same number of bytes, the bandwidth ceiling
+
+`--gpu-diagnose` separates the candidate causes of the Triton copy kernel's shortfall against a
+plain copy (a Llama-3-8B block at world 8 on an H200: copy-in at 19% and copy-out at 53% of a plain
+copy's GB/s, measured through the ops). Each row moves the same elements as the bucket copy, timed two ways: one
+call between two CUDA events after a synchronize ("synced": host time to launch included) and
+`--reps` calls back to back between two events ("back to back", per call: the GPU's time when the
+host keeps ahead). Rows, for the copy-in (pack, fp32 -> bf16) and the copy-out (unpack, bf16, rows = world):
+
+  plain copy                          the same bytes, `dst.copy_(src)`: the ceiling
+  op, table cached / table fresh      the whole op; "fresh" empties the device-table cache before
+                                      each call, so every call builds and uploads its table
+  kernel, 1 segment                   the bucket as one segment: no binary search (one entry)
+  kernel, 9 segments, one launch      the block's parameters: a search of 4 steps per tile
+  kernel, 9 segments, 9 launches      one launch per parameter: no search, 8 more launches
+  kernel, 1024 segments, one launch   as many bytes in 1024 equal segments: a 10-step search per
+                                      tile and a partial last tile per segment
+
+Reading it: op >> kernel (synced vs back to back) points at host time (table, dispatch); 1 segment
+<< 9 segments, one launch, at the per-tile search; 1024 segments >> 9 at many small segments; all
+kernel rows near the op's back-to-back time but far below a plain copy, at the kernel's memory
+access itself (tile size, vectorization: see `launch.BLOCK`).
 
 Targets (H200): each of ours >= 90% of plain-copy GB/s; copy-in >= 1.5x FSDP2's eager path.
 On the CPU (`--cpu`) the target is that each op is no slower than the unfused sequence it
@@ -40,7 +67,9 @@ import torch.nn.functional as F
 
 import simplefsdp.kernels  # noqa: F401  (registers torch.ops.simplefsdp.*)
 from simplefsdp import _compat
-from simplefsdp.kernels import reference
+from simplefsdp.kernels import quant_ops, quantize, reference
+
+QUANT_BLOCK = 128  # the quantized rows' block: MixedPrecisionPolicy's default gather_block
 
 __all__ = ["block_shapes", "measure"]
 
@@ -89,11 +118,14 @@ def _row(name: str, nbytes: int, seconds: float, copy_gbs: float) -> str:
     return f"| {name} | {seconds * 1e6:.0f} us | {gbs:.0f} GB/s | {gbs / copy_gbs:.0%} |"
 
 
-def measure(*, shapes: list[tuple[int, ...]], world: int, iters: int, device: str) -> dict[str, tuple[int, float]]:
+def measure(
+    *, shapes: list[tuple[int, ...]], world: int, iters: int, device: str, quantized: bool = False
+) -> dict[str, tuple[int, float]]:
     """Median seconds of each op and of its FSDP2 eager counterpart on rank 0's shards of fp32
     `shapes` over `world` ranks, cast to bf16, with the bytes each moves: `{name: (bytes, seconds)}`.
     Names: "plain copy", "copy-in {ours, FSDP2 eager, inductor}", "copy-out {ours, FSDP2 eager}",
-    "reduce-scatter copy-in {ours, FSDP2 eager}"."""
+    "reduce-scatter copy-in {ours, FSDP2 eager}", and with `quantized` "quantized copy-{in,out}
+    {int8, fp8}"."""
     dev, bf16 = device, torch.bfloat16
     _time = functools.partial(_timed, iters=iters, cuda=dev == "cuda")
     fulls = [torch.randn(s, device=dev) for s in shapes]
@@ -144,6 +176,27 @@ def measure(*, shapes: list[tuple[int, ...]], world: int, iters: int, device: st
     )
     for name, seconds in zip(("ours", "FSDP2 eager"), times, strict=True):
         results[f"reduce-scatter copy-in {name}"] = (rs_bytes, seconds)
+    if quantized:
+        results.update(_measure_quantized(shards, chunks, world, _time))
+    return results
+
+
+def _measure_quantized(shards, chunks, world, time_fns) -> dict[str, tuple[int, float]]:
+    """The quantized copy-in (fp32 shards -> this rank's slot) and copy-out (every slot -> bf16)."""
+    layout = quantize.slot_layout(chunks, QUANT_BLOCK)
+    n_shard, n_full = sum(chunks), world * sum(chunks)
+    results, sizes = {}, [world * c for c in chunks]
+    for name, code in (("int8", torch.int8), ("fp8", torch.float8_e4m3fn)):
+        buf = quant_ops.QUANT_COPY_IN(shards, chunks, code, QUANT_BLOCK, world, 0)
+        gathered = buf.view(world, -1)[0].repeat(world)  # real codes and scales in every slot
+        copy_in, copy_out = time_fns(
+            lambda code=code: quant_ops.QUANT_COPY_IN(shards, chunks, code, QUANT_BLOCK, world, 0),
+            lambda code=code, gathered=gathered: quant_ops.QUANT_COPY_OUT(
+                gathered, chunks, sizes, [1] * len(chunks), world, code, QUANT_BLOCK, torch.bfloat16
+            ),
+        )
+        results[f"quantized copy-in {name}"] = (n_shard * 4 + layout.nbytes, copy_in)
+        results[f"quantized copy-out {name}"] = (world * layout.nbytes + n_full * 2, copy_out)
     return results
 
 
@@ -155,7 +208,112 @@ _DESCRIPTIONS = {
     "copy-out FSDP2 eager": "all-gather copy-out, FSDP2 eager (split_with_sizes_copy)",
     "reduce-scatter copy-in ours": "reduce-scatter copy-in, ours",
     "reduce-scatter copy-in FSDP2 eager": "reduce-scatter copy-in, FSDP2 eager (cast, then _chunk_cat)",
+    "quantized copy-in int8": f"quantized copy-in, int8, block {QUANT_BLOCK} (fp32 -> codes + scales)",
+    "quantized copy-out int8": f"quantized copy-out, int8, block {QUANT_BLOCK} (-> bf16)",
+    "quantized copy-in fp8": f"quantized copy-in, float8_e4m3fn, block {QUANT_BLOCK}",
+    "quantized copy-out fp8": f"quantized copy-out, float8_e4m3fn, block {QUANT_BLOCK} (-> bf16)",
 }
+
+
+def _plans_per_segment(plan):
+    """`plan` cut into one single-segment plan per segment (no search in the kernel: one entry)."""
+    from simplefsdp.kernels import launch
+
+    for start, end, seg in zip(plan.tile_starts[:-1], plan.tile_starts[1:], plan.segments, strict=True):
+        grid = (min(end - start, launch.CUDA_MAX_GRID_X), 1, 1)
+        yield launch.LaunchPlan(grid=grid, block=plan.block, tile_starts=(0, end - start), segments=(seg,))
+
+
+def _kernel_variants(kind: str, chunks: list[int], world: int, device: str) -> tuple[int, dict]:
+    """The bytes one bucket copy moves and `{variant: fn}` for `kind` ("pack": this rank's fp32
+    shards -> bf16 slot; "unpack": bf16 [world, bucket] -> per-parameter outputs), as in the
+    module docstring's `--gpu-diagnose` rows."""
+    from simplefsdp.kernels import launch, triton_copy
+
+    bf16, n, rows = torch.bfloat16, sum(chunks), 1 if kind == "pack" else world
+    bucket_src = torch.randn(n, device=device) if kind == "pack" else torch.randn(world * n, device=device).to(bf16)
+    bucket_dst = torch.empty(n, dtype=bf16, device=device)
+    equal = [n // 1024 // 8 * 8] * 1023
+    layouts = {"1 segment": [n], "9 segments": chunks, "1024 segments": [*equal, n - sum(equal)]}
+
+    def copy(split: list[int]):
+        """Plan, sources and destinations of one launch over the bucket cut into `split`."""
+        if kind == "pack":
+            plan = launch.plan_launch(kind="pack", chunks=split, numels=split, rows=1)
+            return plan, list(bucket_src.split(split)), [bucket_dst] * len(split)
+        outs = [torch.empty(world * c, dtype=bf16, device=device) for c in split]
+        plan = launch.plan_launch(kind="unpack", chunks=split, numels=[o.numel() for o in outs], rows=world)
+        return plan, [bucket_src] * len(split), outs
+
+    if kind == "pack":
+        shards = list(bucket_src.split(chunks))
+        op = functools.partial(torch.ops.simplefsdp.all_gather_copy_in, shards, chunks, bf16, world, 0)
+        nbytes = n * (4 + 2)
+    else:
+        sizes = [world * c for c in chunks]
+        op = functools.partial(
+            torch.ops.simplefsdp.all_gather_copy_out, bucket_src, chunks, sizes, [1] * len(chunks), world
+        )
+        nbytes = rows * n * (2 + 2)
+    plain_src = torch.empty(nbytes // 2, dtype=torch.uint8, device=device)
+    plain_dst = torch.empty_like(plain_src)
+    variants = {
+        "plain copy (same bytes)": lambda: plain_dst.copy_(plain_src),
+        "op, table cached": op,
+        "op, table fresh each call": lambda: (triton_copy._tables.clear(), op()),
+    }
+    for name, split in layouts.items():
+        plan, srcs, dsts = copy(split)
+        variants[f"kernel, {name}, one launch"] = functools.partial(triton_copy.launch_bucket, plan, srcs, dsts)
+        if name == "9 segments":
+            singles = [(p, [s], [d]) for p, s, d in zip(_plans_per_segment(plan), srcs, dsts, strict=True)]
+            variants["kernel, 9 segments, 9 launches"] = lambda singles=singles: [
+                triton_copy.launch_bucket(*single) for single in singles
+            ]
+    return nbytes, variants
+
+
+def diagnose(*, world: int, iters: int, reps: int, device: str = "cuda", dim: int = 4096) -> list[str]:
+    """Markdown rows of the `--gpu-diagnose` table (module docstring) for one block at `dim`."""
+    shapes = block_shapes(dim=dim, heads=max(1, dim // 128), kv_heads=max(1, dim // 512), ffn=dim * 7 // 2)
+    chunks = [reference.chunk_numel(s, world) for s in shapes]
+    cuda = device == "cuda"
+    lines = []
+    for kind, what in (
+        ("pack", "all-gather copy-in (fp32 -> bf16)"),
+        ("unpack", f"all-gather copy-out (bf16, {world} rows)"),
+    ):
+        nbytes, variants = _kernel_variants(kind, chunks, world, device)
+        synced = _timed(*variants.values(), iters=iters, cuda=cuda)
+        repeated = [lambda fn=fn: [fn() for _ in range(reps)] for fn in variants.values()]
+        back_to_back = [t / reps for t in _timed(*repeated, iters=max(3, iters // 5), cuda=cuda)]
+        ceiling = nbytes / back_to_back[0]
+        lines.append(f"| **{what}**, {nbytes / 1e6:.0f} MB moved | | | |")
+        for name, one, many in zip(variants, synced, back_to_back, strict=True):
+            gbs = nbytes / many
+            lines.append(
+                f"| {name} | {one * 1e6:.0f} us | {many * 1e6:.0f} us | {gbs / 1e9:.0f} GB/s ({gbs / ceiling:.0%}) |"
+            )
+    return lines
+
+
+def _diagnose_main(args) -> int:
+    if not torch.cuda.is_available():
+        print("bench/copy_kernels.py --gpu-diagnose: no CUDA device here; it measures the Triton kernel on a GPU.",
+              file=sys.stderr)  # fmt: skip
+        return 2
+    from simplefsdp.kernels import copy_ops, triton_copy
+
+    if not copy_ops._use_triton(torch.empty(1, device="cuda")):
+        why = triton_copy.supports(torch.device("cuda"))
+        print(f"bench/copy_kernels.py --gpu-diagnose: the Triton kernel does not run here ({why}).", file=sys.stderr)
+        return 2
+    lines = diagnose(world=args.world, iters=args.iters, reps=args.reps, dim=args.dim or 4096)
+    print(f"{torch.cuda.get_device_name()}, Llama-3-8B block, world {args.world}: the Triton copy kernel's variants")
+    print(f"| variant | synced, one call | back to back (x{args.reps}), per call | bandwidth (of plain copy) |")
+    print("|---|---|---|---|")
+    print("\n".join(lines))
+    return 0
 
 
 def main() -> int:
@@ -164,7 +322,11 @@ def main() -> int:
     parser.add_argument("--iters", type=int, default=50)
     parser.add_argument("--cpu", action="store_true", help="measure the CPU implementations instead (torch ops)")
     parser.add_argument("--dim", type=int, help="model dim of the block (default: 4096 on a GPU, 1024 with --cpu)")
+    parser.add_argument("--gpu-diagnose", action="store_true", help="the Triton copy kernel's variants (CUDA only)")
+    parser.add_argument("--reps", type=int, default=20, help="calls per back-to-back timing of --gpu-diagnose")
     args = parser.parse_args()
+    if args.gpu_diagnose:
+        return _diagnose_main(args)
     if not torch.cuda.is_available() and not args.cpu:
         print("bench/copy_kernels.py needs a CUDA GPU (it measures GPU memory bandwidth); none here, nothing run.")
         print("(`--cpu` measures the CPU implementations of the same ops instead.)")
@@ -173,7 +335,9 @@ def main() -> int:
         torch.set_num_threads(1)  # one core: timings of a shared 2-core machine are otherwise thread-contention noise
     dim = args.dim or (1024 if args.cpu else 4096)
     shapes = block_shapes(dim=dim, heads=max(1, dim // 128), kv_heads=max(1, dim // 512), ffn=dim * 7 // 2)
-    results = measure(shapes=shapes, world=args.world, iters=args.iters, device="cpu" if args.cpu else "cuda")
+    results = measure(
+        shapes=shapes, world=args.world, iters=args.iters, device="cpu" if args.cpu else "cuda", quantized=True
+    )
     copy_bytes, copy_s = results.pop("plain copy")
     copy_gbs = copy_bytes / copy_s / 1e9
     rows = [f"| plain copy ({copy_bytes / 2e6:.0f} MB) | {copy_s * 1e6:.0f} us | {copy_gbs:.0f} GB/s | 100% |"]

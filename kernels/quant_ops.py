@@ -6,6 +6,8 @@
                           code_dtype, block, dtype)                         # each in its shape, in dtype
 
 The bytes are `quantize.py`'s (the specification, and the torch-ops implementation the CPU runs);
+where the plain copy ops run Triton ([Note: kernel selection] in `copy_ops.py`) these run
+`triton_quant.py`'s kernels, one launch per bucket each, bit for bit the same;
 they are registered like the plain copy ops (`copy_ops.py`: one `CompositeExplicitAutograd` kernel,
 a fake kernel, no derivative -- the quantized gather's backward is its own, see
 `simplefsdp/quantized_gather.py`), checked up front, and a bucket of any size is one call each.
@@ -19,7 +21,15 @@ import torch
 
 from simplefsdp._compat import OpOverload
 from simplefsdp.kernels import quantize
-from simplefsdp.kernels.copy_ops import _check_chunks, _check_dtype, _check_tensors, _register, split_shapes
+from simplefsdp.kernels.copy_ops import (
+    _check_chunks,
+    _check_dtype,
+    _check_tensors,
+    _flat,
+    _register,
+    _use_triton,
+    split_shapes,
+)
 
 __all__ = ["QUANT_COPY_IN", "QUANT_COPY_OUT", "QUANT_FAKE_IMPLS"]
 
@@ -47,7 +57,13 @@ def _quant_copy_in(
     layout = quantize.slot_layout(chunks, block)
     device = shards[0].device if shards else torch.device("cpu")
     out = torch.empty(world * layout.nbytes, dtype=torch.uint8, device=device)
-    out.narrow(0, rank * layout.nbytes, layout.nbytes).copy_(quantize.quantize_slot(shards, chunks, code_dtype, block))
+    slot = out.narrow(0, rank * layout.nbytes, layout.nbytes)
+    if not shards or not _use_triton(shards[0]):
+        slot.copy_(quantize.quantize_slot(shards, chunks, code_dtype, block))
+        return out
+    from simplefsdp.kernels import triton_quant
+
+    triton_quant.quantize_into([_flat(s) for s in shards], layout, slot, code_dtype)
     return out
 
 
@@ -89,8 +105,22 @@ def _quant_copy_out(
         if any(d < 0 for d in shape) or math.prod(shape) > world * c:
             raise ValueError(f"shape {shape} of output {i} does not fit {world} chunks of {c}")
     numels = [math.prod(shape) for shape in shapes]
-    flat = quantize.dequantize_gathered(gathered.contiguous(), chunks, numels, world, code_dtype, block, dtype)
-    return [value.view(shape) for value, shape in zip(flat, shapes, strict=True)]
+    if not _use_triton(gathered):
+        flat = quantize.dequantize_gathered(gathered.contiguous(), chunks, numels, world, code_dtype, block, dtype)
+        return [value.view(shape) for value, shape in zip(flat, shapes, strict=True)]
+    from simplefsdp.kernels import triton_quant
+
+    outs = [torch.empty(shape, dtype=dtype, device=gathered.device) for shape in shapes]
+    if outs:
+        triton_quant.dequantize_into(_aligned(gathered), layout, [o.view(-1) for o in outs], world, code_dtype)
+    return outs
+
+
+def _aligned(gathered: torch.Tensor) -> torch.Tensor:
+    """`gathered` contiguous and 16-byte aligned (the kernel reads each slot's fp32 scales where the
+    layout puts them): a view when it already is (the all-gather's own buffer), else a copy."""
+    flat = gathered.contiguous()
+    return flat if flat.data_ptr() % quantize.ALIGN == 0 else flat.clone()
 
 
 def _quant_copy_out_fake(gathered, chunks, sizes, ndims, world, code_dtype, block, dtype):

@@ -17,8 +17,8 @@ One block `x` (fp32: the master's values, exactly; padding zeros) becomes, with 
 or 448 (float8_e4m3fn, its largest finite value):
 
     absmax = max |x|;   scale = absmax / QMAX  (IEEE division)
-    y = x * (QMAX / absmax), clamped to [-QMAX, QMAX]   (0 when QMAX / absmax is not finite:
-                                                         absmax 0, or below QMAX / FLT_MAX ~ 4e-37)
+    lift = 2**64 when absmax < 2**-64, else 1   (exact: a power of two)
+    y = (x * lift) * (QMAX / (absmax * lift)), clamped to [-QMAX, QMAX]   (0 when absmax is 0)
     int8:  code = round-half-even(y) as a two's-complement byte
     fp8:   code = y rounded to nearest-even e4m3fn (integer bit arithmetic, below)
 
@@ -31,9 +31,15 @@ and, for e4m3fn, half a unit in the last place (relative 2**-4 of the value; 2**
 the subnormal range). ZeRO++ gathers int8 weights with per-block scales for the same reason: one
 outlier only coarsens its own block.
 
-A block whose absmax is below QMAX / FLT_MAX (about 3.7e-37 for int8, 1.3e-36 for e4m3fn: far below
-any trained weight) decodes to zeros, an error of at most that absmax. A block holding an inf or a
-nan has no meaningful scale: its scale is nan and its codes 0, so every
+The `lift` keeps `QMAX / absmax` finite: without it a block whose absmax is below QMAX / 2**128
+(about 3.7e-37 for int8, normal fp32 values) gets an infinite inverse, its nonzero values encode as
++-QMAX and its zeros as `0 * inf`, nan -- a wrong value, not a coarse one. Scaling the block and its
+absmax by the same power of two changes no bit elsewhere (both products are exact and the final
+product the same real number), and below 2**-64 every quotient stays finite. What remains for tiny
+blocks is the fp32 scale's own underflow: below about QMAX * 2**-126 the scale is subnormal and
+carries an absolute error up to 2**-150, so a value decodes within a further QMAX * 2**-150 (< 2**-140).
+
+A block holding an inf or a nan has no meaningful scale: its scale is nan and its codes 0, so every
 element of the block decodes to nan -- never to a finite wrong value, and the loss shows it at once.
 
 Every step is integer arithmetic or a correctly rounded fp32 operation (multiply, IEEE division,
@@ -66,6 +72,7 @@ __all__ = [
 CODE_DTYPES = (torch.int8, torch.float8_e4m3fn)
 QMAX = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0}
 ROUND_MAGIC = 12582912.0  # 1.5 * 2**23: (y + M) - M rounds an fp32 |y| < 2**22 half to even
+TINY, LIFT = 2.0**-64, 2.0**64  # a block with absmax < TINY is scaled by LIFT first (module docstring)
 ALIGN = 16  # bytes: where the scale section and each rank's slot start
 
 
@@ -153,20 +160,28 @@ def _quantize_blocks(x: torch.Tensor, code_dtype: torch.dtype) -> tuple[torch.Te
     it may overwrite. Fewer passes over memory than the module docstring's steps, the same bytes:
     `torch.round` rounds half to even as the magic add does for |y| <= QMAX; torch's e4m3fn cast is
     `encode`'s rounding (tested), and neither needs the clamp: |x * (QMAX / absmax)| rounds to at
-    most QMAX."""
+    most QMAX; the lift multiplies only when a block needs it."""
     qmax = QMAX[code_dtype]
-    absmax = x.abs().amax(dim=1)  # nan for a block holding a nan (amax propagates it)
+    absmax = x.abs().amax(dim=1) if x.shape[1] else x.new_zeros(x.shape[0])  # nan propagates: a nan block
     bad = ~torch.isfinite(absmax)
-    inverse = qmax / absmax
-    inverse = torch.where(torch.isfinite(inverse), inverse, 0.0)  # absmax 0 or below QMAX / FLT_MAX: codes 0
+    absmax = absmax.masked_fill(bad, 0.0)
+    lift = torch.where(absmax < TINY, LIFT, 1.0)
+    # tensor / tensor, the IEEE quotient: torch computes `scalar / tensor` as the scalar times the
+    # reciprocal (two roundings: a quarter of quotients 1 ulp off), and on CUDA `tensor / scalar` too
+    qmaxes = torch.full_like(absmax, qmax)
+    positive = absmax > 0
+    inverse = torch.where(positive, qmaxes / torch.where(positive, absmax * lift, 1.0), 0.0)
     if bool(bad.any()):
         x = x.masked_fill(bad[:, None], 0.0)
+    lifted = positive & (absmax < TINY)
+    if bool(lifted.any()):
+        x = x.mul_(lift[:, None])
     y = x.mul_(inverse[:, None])
     if code_dtype == torch.int8:
         codes = y.round_().to(torch.int8).view(torch.uint8)
     else:
         codes = y.to(code_dtype).view(torch.uint8)
-    return codes, torch.where(bad, float("nan"), absmax / qmax)
+    return codes, torch.where(bad, float("nan"), absmax / qmaxes)
 
 
 def _staged(shards: Sequence[torch.Tensor], layout: SlotLayout) -> torch.Tensor:
@@ -212,7 +227,8 @@ def dequantize_gathered(
     (uint8, `world` slots back to back)."""
     layout = slot_layout(chunks, block)
     rows = gathered.view(world, layout.nbytes)
-    scales = rows[:, layout.scales_start : layout.scales_start + 4 * layout.n_scales].contiguous().view(torch.float32)
+    scale_bytes = rows[:, layout.scales_start : layout.scales_start + 4 * layout.n_scales].contiguous()
+    scales = scale_bytes.reshape(-1).view(torch.float32).view(world, layout.n_scales)  # (a 2-D view fails when empty)
     padded = [layout.blocks(i) * block for i in range(len(layout.chunks))]
     if list(layout.chunks) == padded:  # every member a whole number of blocks: the codes as they came
         codes = rows[:, : sum(padded)]

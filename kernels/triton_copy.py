@@ -43,7 +43,9 @@ nearest-even with integer bit arithmetic (add 0x7FFF plus the kept lowest bit, d
 stay NaN), so the result equals torch's `.to(torch.bfloat16)` both on a GPU and in the CPU
 interpreter. The interpreter's own fp32 -> bf16 cast does not round like torch (on torch 2.13 with
 Triton 3.x, about half of random values came out 1 ulp off, also with `fp_downcast_rounding="rtne"`);
-a GPU's cast does. Other down-casts (to fp16) use Triton's cast: exact on a GPU, within 1 ulp in the
+a GPU's cast does. Reading bf16, the kernel widens by shifting the bits into fp32's top half (what
+a GPU's cast does): the interpreter's own bf16 -> fp32 cast flushes subnormal bf16 values (below
+2**-126) to wrong values. Other down-casts (to fp16) use Triton's cast: exact on a GPU, within 1 ulp in the
 interpreter -- the tests say so. A segment whose source already has the destination's dtype (and no
 scale) is copied bit for bit, without going through fp32.
 """
@@ -51,6 +53,7 @@ scale) is copied bit for bit, without going through fp32.
 from __future__ import annotations
 
 import collections
+from collections.abc import Callable
 
 import torch
 import triton
@@ -82,7 +85,7 @@ _COLUMNS = (
 )
 _FIELDS = len(_COLUMNS)
 _TABLE_CACHE = 512  # device tables kept (a few per bucket and op: ~100 bytes a parameter each)
-_tables: collections.OrderedDict[tuple[str, int, tuple[int, ...]], tuple[torch.Tensor, int]] = collections.OrderedDict()
+_tables: collections.OrderedDict[tuple, tuple[torch.Tensor, int]] = collections.OrderedDict()
 
 
 def interpreter_problem(*, triton_version: str | None = None, numpy_version: str | None = None) -> str | None:
@@ -149,8 +152,9 @@ def _load_fp32(address, code, index, mask, ALIGN: tl.constexpr):
     """`address` read as fp32 (code 0), bf16 (1) or fp16 (2), widened to fp32 (exact)."""
     if code == 0:
         x = tl.load(_pointer(address, tl.float32, ALIGN) + index, mask=mask, other=0.0)
-    elif code == 1:
-        x = tl.load(_pointer(address, tl.bfloat16, ALIGN) + index, mask=mask, other=0.0).to(tl.float32)
+    elif code == 1:  # bf16 is fp32's top half: widened by a shift ([Note: exact bf16 rounding])
+        bits = tl.load(_pointer(address, tl.uint16, ALIGN) + index, mask=mask, other=0)
+        x = (bits.to(tl.uint32) << 16).to(tl.float32, bitcast=True)
     else:
         x = tl.load(_pointer(address, tl.float16, ALIGN) + index, mask=mask, other=0.0).to(tl.float32)
     return x
@@ -242,13 +246,16 @@ def _alignment(values: list[int]) -> int:
     return 8 if aligned and all(row[c] % 8 == 0 for row in rows for c in sizes) else 1
 
 
-def _device_table(values: list[int], device: torch.device) -> tuple[torch.Tensor, int]:
-    """The table `values` as an int64 tensor on `device` and its `_alignment`: from the cache when this
-    exact table was sent before (see [Note: the table is cached on the device])."""
+def _device_table(
+    values: list[int], device: torch.device, summarize: Callable[[list[int]], int] = _alignment
+) -> tuple[torch.Tensor, int]:
+    """The table `values` as an int64 tensor on `device` and `summarize(values)` (the copy kernel's
+    `_alignment`; the quantized copies' tables pass their own): from the cache when this exact table
+    was sent before (see [Note: the table is cached on the device])."""
     # the stream too: a table is copied and first read on one stream, so another stream never reads
     # it before its copy lands, nor does the allocator hand its memory out while that stream uses it
     stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-    key = (str(device), stream, tuple(values))
+    key = (str(device), stream, summarize, tuple(values))
     hit = _tables.get(key)
     if hit is not None:
         _tables.move_to_end(key)
@@ -256,7 +263,7 @@ def _device_table(values: list[int], device: torch.device) -> tuple[torch.Tensor
     table = torch.tensor(values, dtype=torch.int64)
     if device.type != "cpu":
         table = table.pin_memory().to(device, non_blocking=True)
-    _tables[key] = entry = (table, _alignment(values))
+    _tables[key] = entry = (table, summarize(values))
     if len(_tables) > _TABLE_CACHE:
         _tables.popitem(last=False)
     return entry
