@@ -20,7 +20,16 @@ import sys
 from collections.abc import Sequence
 
 from simplefsdp.inspect.tables import console
-from simplefsdp.settings import AC_POLICIES, DTYPES, TIERS, parse_memory_budget, profile_names
+from simplefsdp.settings import (
+    AC_POLICIES,
+    DEFAULT_GATHER_BLOCK,
+    DTYPES,
+    QUANTIZED_GATHER_DTYPES,
+    TIERS,
+    check_gather_block,
+    parse_memory_budget,
+    profile_names,
+)
 from simplefsdp.strategy import ShardingStrategy
 from simplefsdp.writable import check_directory, check_file
 
@@ -95,6 +104,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--param-dtype", choices=sorted(DTYPES), default="bf16", help="all-gather / compute dtype")
     parser.add_argument("--reduce-dtype", choices=sorted(DTYPES), default="fp32", help="gradient reduction dtype")
     parser.add_argument(
+        "--gather-dtype",
+        choices=("none", *QUANTIZED_GATHER_DTYPES),
+        default="none",
+        help="parameters travel the all-gather as block-scaled codes of this type (lossy); none: in --param-dtype",
+    )
+    parser.add_argument(
+        "--gather-block",
+        type=_gather_block,
+        default=DEFAULT_GATHER_BLOCK,
+        help=f"--gather-dtype: elements per quantization block (default {DEFAULT_GATHER_BLOCK})",
+    )
+    parser.add_argument(
+        "--advise-lossy",
+        action="store_true",
+        help="--advise: also search quantized gathers (--gather-dtype, default int8: lossy) and let them win",
+    )
+    parser.add_argument(
         "--plan",
         choices=["blocks", "auto", "none"],
         default=None,
@@ -143,6 +169,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _gather_block(text: str) -> int:
+    """An argparse type: a quantization block (`settings.check_gather_block`)."""
+    try:
+        block = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    try:
+        check_gather_block(block)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+    return block
+
+
 def _degrees(text: str) -> tuple[int, ...]:
     try:
         degrees = tuple(int(part) for part in text.split(","))
@@ -163,6 +202,10 @@ def _check(args: argparse.Namespace) -> None:
         raise ValueError(f"--margin must be in [0, 1), got {args.margin}")
     if args.out is not None:
         check_directory(args.out, name="--out")
+    if args.gather_dtype == "none" and args.gather_block != DEFAULT_GATHER_BLOCK:
+        raise ValueError(f"--gather-block ({args.gather_block}) is for a quantized --gather-dtype; got none")
+    if args.advise_lossy and not args.advise:
+        raise ValueError("--advise-lossy widens what --advise searches: give --advise")
     if args.advise_toml is not None:
         if not args.advise:
             raise ValueError("--advise-toml writes what --advise advises: give --advise")

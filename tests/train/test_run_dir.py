@@ -26,7 +26,14 @@ PNG = b"\x89PNG\r\n\x1a\n"
 def test_config_toml_reads_back_into_the_same_config(tmp_path):
     odd = 'a "quoted" \\ path\twith\nlines, \x01 and ü'
     config = TrainConfig(
-        checkpoint_dir=odd, lr=1e-05, bucket_cap_mib=0.5, progress=False, strategy="SHARD_GRAD_OP", steps=7
+        checkpoint_dir=odd,
+        lr=1e-05,
+        bucket_cap_mib=0.5,
+        progress=False,
+        strategy="SHARD_GRAD_OP",
+        steps=7,
+        gather_dtype="float8_e4m3fn",
+        gather_block=64,
     )
     path = tmp_path / "config.toml"
     path.write_text(to_toml(config))
@@ -44,6 +51,9 @@ def test_summary_line():
         "simplefsdp train: built-in model, 2.13M parameters | mesh dp=2 x tp=2 | FULL_SHARD | bf16/fp32 | "
         "offload none | 1,024 tokens/step | steps 41-100 | inductor | run folder ckpt/run"
     )
+    quantized = TrainConfig(param_dtype="bf16", reduce_dtype="fp32", gather_dtype="int8")
+    line = summary_line(quantized, parameters=950, mesh=[("dp", 2)], tokens_per_step=64, start=0)
+    assert " | bf16/fp32 gather int8 | offload none | " in line
     other = TrainConfig(run_dir="elsewhere", backend="eager")
     assert summary_line(other, parameters=950, mesh=[("dp", 1)], tokens_per_step=64, start=0).endswith(
         "fp32/fp32 | offload none | 64 tokens/step | steps 1-100 | eager | run folder elsewhere"
@@ -136,3 +146,4 @@ def test_a_five_step_run_fills_its_run_folder_and_a_resumed_one_appends(ranks2, 
 
         events = [EventAccumulator(str(path)).Reload() for path in sorted((run / "tensorboard").iterdir())]
         assert [[e.step for e in acc.Scalars("loss")] for acc in events] == [[1, 2, 3, 4, 5], [6, 7]]
+
