@@ -40,9 +40,9 @@ _COMMANDS = [
         "simplefsdp inspect: error: --gather-block (64) is for a quantized --gather-dtype; got none",
     ),
     (
-        ["inspect", "tiny", "--advise-lossy"],
+        ["inspect", "tiny", "--advise-lossy", "search"],
         2,
-        "simplefsdp inspect: error: --advise-lossy widens what --advise searches: give --advise",
+        "simplefsdp inspect: error: --advise-lossy says what --advise does with quantized gathers: give --advise",
     ),
     (["calibrate", "--help"], 0, "usage: simplefsdp calibrate"),
     (["calibrate", "--nproc", "1"], 2, "usage: simplefsdp calibrate"),

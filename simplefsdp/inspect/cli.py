@@ -33,7 +33,9 @@ from simplefsdp.settings import (
 from simplefsdp.strategy import ShardingStrategy
 from simplefsdp.writable import check_directory, check_file
 
-__all__ = ["add_arguments", "main"]
+__all__ = ["LOSSY_ADVICE", "add_arguments", "main"]
+
+LOSSY_ADVICE = ("alternative", "search", "none")  # --advise-lossy: the first is the default
 
 
 class _Parser(argparse.ArgumentParser):
@@ -117,8 +119,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--advise-lossy",
-        action="store_true",
-        help="--advise: also search quantized gathers (--gather-dtype, default int8: lossy) and let them win",
+        choices=LOSSY_ADVICE,
+        default=None,
+        help="--advise and quantized gathers (--gather-dtype's code type, default int8; lossy): alternative "
+        "(default) prices the winner with them beside the advice, search also searches them and lets them "
+        "win, none leaves them out",
     )
     parser.add_argument(
         "--plan",
@@ -204,8 +209,8 @@ def _check(args: argparse.Namespace) -> None:
         check_directory(args.out, name="--out")
     if args.gather_dtype == "none" and args.gather_block != DEFAULT_GATHER_BLOCK:
         raise ValueError(f"--gather-block ({args.gather_block}) is for a quantized --gather-dtype; got none")
-    if args.advise_lossy and not args.advise:
-        raise ValueError("--advise-lossy widens what --advise searches: give --advise")
+    if args.advise_lossy is not None and not args.advise:
+        raise ValueError("--advise-lossy says what --advise does with quantized gathers: give --advise")
     if args.advise_toml is not None:
         if not args.advise:
             raise ValueError("--advise-toml writes what --advise advises: give --advise")

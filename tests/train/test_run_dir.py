@@ -146,4 +146,3 @@ def test_a_five_step_run_fills_its_run_folder_and_a_resumed_one_appends(ranks2, 
 
         events = [EventAccumulator(str(path)).Reload() for path in sorted((run / "tensorboard").iterdir())]
         assert [[e.step for e in acc.Scalars("loss")] for acc in events] == [[1, 2, 3, 4, 5], [6, 7]]
-
