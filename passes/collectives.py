@@ -127,8 +127,7 @@ _BUCKET_COPIES = {ALL_GATHER_COPY_IN, ALL_GATHER_COPY_OUT, REDUCE_SCATTER_COPY_I
 
 
 def is_bucket_copy(node: fx.Node) -> bool:
-    """One of simplefsdp's bucket copy ops (`kernels/copy_ops.py`, and the quantized gather's
-    `kernels/quant_ops.py`): communication plumbing, not model compute."""
+    """One of simplefsdp's bucket copy ops (`kernels/copy_ops.py`): communication plumbing, not model compute."""
     return node.op == "call_function" and node.target in _BUCKET_COPIES
 
 
@@ -285,8 +284,8 @@ _PASSTHROUGH_TARGETS = {
     torch.ops.aten.cat.default,
     torch.ops.prims.convert_element_type.default,
     operator.getitem,
-    # simplefsdp's bucket copy ops (kernels/): move, cast and pad only -- or, the quantized gather's,
-    # encode one parameter's own values and decode them (no other tensor's information)
+    # simplefsdp's bucket copy ops (kernels/): move, cast and pad only -- or, for a quantized gather,
+    # re-encode the same values (what a gathered weight derives from, not new information)
     ALL_GATHER_COPY_IN,
     ALL_GATHER_COPY_OUT,
     REDUCE_SCATTER_COPY_IN,
