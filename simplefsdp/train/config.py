@@ -227,6 +227,11 @@ class TrainConfig:
             raise ConfigError(
                 f"gather_dtype {self.gather_dtype} quantizes the parameter all-gathers; strategy NO_SHARD has none"
             )
+        elif self.backend == "eager":
+            raise ConfigError(
+                f"gather_dtype {self.gather_dtype} quantizes the compiled step's all-gathers; backend eager "
+                "compiles none (use inductor or aot_eager)"
+            )
 
     def _check_shape(self) -> None:
         from simplefsdp.train.data import VOCAB

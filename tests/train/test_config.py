@@ -64,6 +64,10 @@ def _write(tmp_path, text: str | None) -> str:
             ["--gather-dtype", "int8", "--strategy", "NO_SHARD"],
             "gather_dtype int8 quantizes the parameter all-gathers; strategy NO_SHARD has none",
         ),
+        (
+            ["--gather-dtype", "float8_e4m3fn", "--backend", "eager"],
+            "gather_dtype float8_e4m3fn quantizes the compiled step's all-gathers; backend eager compiles none",
+        ),
         (["--sample-tokens", "-2"], "sample_tokens must be >= 0 (0: off); got -2"),
         (["--seq-len", "700"], "seq_len (700) must be shorter than the corpus's training part (49 of 750 tokens; 701"),
         (["--config", "{missing}"], "cannot read config file {missing}: No such file or directory"),

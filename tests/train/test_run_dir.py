@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import io
 import json
+import math
 import sys
 
 import pytest
@@ -146,3 +147,16 @@ def test_a_five_step_run_fills_its_run_folder_and_a_resumed_one_appends(ranks2, 
 
         events = [EventAccumulator(str(path)).Reload() for path in sorted((run / "tensorboard").iterdir())]
         assert [[e.step for e in acc.Scalars("loss")] for acc in events] == [[1, 2, 3, 4, 5], [6, 7]]
+
+
+@pytest.mark.slow  # a compiled 2-rank run (13 s on a busy 2-core host): the gathers quantize in compiled steps only
+def test_an_int8_gather_run_quantizes_its_gathers_and_records_it(ranks2, tmp_path):
+    """`--steps 2 --backend aot_eager --gather-dtype int8`: every rank quantizes its shards for the
+    all-gathers, the loss stays finite, and the run folder's config.toml reads back with the gather."""
+    (calls0, losses), (calls1, _) = ranks2.run(_run_dir_ranks.run_quantized, str(tmp_path))
+    assert calls0 > 0
+    assert calls1 == calls0
+    assert len(losses) == 2
+    assert all(math.isfinite(loss) for loss in losses)
+    config = parse_args(["--config", str(tmp_path / "ckpt" / "run" / "config.toml")])
+    assert (config.gather_dtype, config.gather_block, config.param_dtype) == ("int8", 128, "bf16")
