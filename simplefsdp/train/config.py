@@ -109,9 +109,9 @@ class TrainConfig:
     reduce_dtype: str = _field("auto", "gradient reduction dtype; auto: param_dtype", ("auto", *DTYPES))
     gather_dtype: str = _field(
         "none",
-        "parameters travel the all-gather as block-scaled codes of this type, dequantized into param_dtype "
-        "(lossy: about half of bf16's bytes; gradients, masters and checkpoints stay full precision); "
-        "none: in param_dtype",
+        "parameters travel the compiled step's all-gathers as block-scaled codes of this type, dequantized "
+        "into param_dtype (lossy: about half of bf16's bytes; gradients, masters and checkpoints stay full "
+        "precision); none: in param_dtype",
         ("none", *QUANTIZED_GATHER_DTYPES),
     )
     gather_block: int = _field(
