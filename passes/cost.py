@@ -116,6 +116,7 @@ from torch import fx
 
 from simplefsdp._compat import flop_registry, tree_leaves
 from simplefsdp.kernels.copy_ops import ALL_GATHER_COPY_IN, ALL_GATHER_COPY_OUT, REDUCE_SCATTER_COPY_IN
+from simplefsdp.kernels.quant_ops import QUANT_COPY_IN, QUANT_COPY_OUT
 from simplefsdp.passes.collectives import Collective, is_communication, is_view_of_input
 from simplefsdp.passes.liveness import sized_by_this_rank
 
@@ -155,6 +156,10 @@ _COPY_OP_TARGETS = {
     REDUCE_SCATTER_COPY_IN: "reduce_scatter_copy_in",
 }
 COPY_OPS = tuple(_COPY_OP_TARGETS.values())  # the bucket copy ops a profile may time the calls of
+# the quantized gather's copy ops (`kernels/quant_ops.py`): one call a bucket like the plain gather's,
+# charged that op's measured call (what a call costs before any byte moves: dispatch, checks, outputs);
+# their bytes -- full-precision shards in, codes and scales out, and back -- go to the roofline as every op's
+_COPY_OP_TARGETS |= {QUANT_COPY_IN: "all_gather_copy_in", QUANT_COPY_OUT: "all_gather_copy_out"}
 # bytes read + written per fp32 sharded element by one optimizer step: SGD reads the grad and
 # reads / writes the param and its momentum; AdamW reads / writes two moments
 OPTIMIZER_BYTES_PER_ELEMENT = {"adamw": 4 + 8 + 16, "sgd": 4 + 8 + 8, "none": 0}

@@ -67,6 +67,7 @@ from collections.abc import Collection, Iterable
 from torch import fx
 
 from simplefsdp.kernels.copy_ops import ALL_GATHER_COPY_OUT
+from simplefsdp.kernels.quant_ops import QUANT_COPY_OUT
 from simplefsdp.passes.collectives import find_collectives, is_data_movement, is_slot_copy
 from simplefsdp.passes.detect import find_fsdp_reductions
 from simplefsdp.passes.host_copies import place_host_copies
@@ -99,12 +100,12 @@ class ReorderConfig:
 
 def _is_unpack(node: fx.Node) -> bool:
     """An op that unpacks a waited result: a view (`reshape`, `getitem`, `slice`, ...), the bucket
-    copy-out, or the slot copy of a gloo reduction bucket (`is_slot_copy`)."""
+    copy-out (plain or quantized), or the slot copy of a gloo reduction bucket (`is_slot_copy`)."""
     if node.op != "call_function":
         return False
     return (
         node.target is operator.getitem
-        or node.target is ALL_GATHER_COPY_OUT
+        or node.target in (ALL_GATHER_COPY_OUT, QUANT_COPY_OUT)
         or bool(getattr(node.target, "is_view", False))
         or is_slot_copy(node)
     )

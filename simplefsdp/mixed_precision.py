@@ -31,11 +31,9 @@ import torch
 from torch import nn
 
 from simplefsdp._compat import tree_map_only
+from simplefsdp.settings import DEFAULT_GATHER_BLOCK, QUANTIZED_GATHER_DTYPES, check_gather_block
 
 __all__ = ["QUANTIZED_GATHER_DTYPES", "MixedPrecisionPolicy"]
-
-# what `MixedPrecisionPolicy.gather_dtype` accepts: the code type each sharded element travels as
-QUANTIZED_GATHER_DTYPES = ("int8", "float8_e4m3fn")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -61,7 +59,7 @@ class MixedPrecisionPolicy:
     output_dtype: torch.dtype | None = None
     cast_forward_inputs: bool = True
     gather_dtype: str | None = None
-    gather_block: int = 128
+    gather_block: int = DEFAULT_GATHER_BLOCK
 
     def __post_init__(self) -> None:
         if self.gather_dtype is not None and self.gather_dtype not in QUANTIZED_GATHER_DTYPES:
@@ -69,9 +67,10 @@ class MixedPrecisionPolicy:
                 f"MixedPrecisionPolicy.gather_dtype must be one of {', '.join(map(repr, QUANTIZED_GATHER_DTYPES))} "
                 f"or None, got {self.gather_dtype!r}"
             )
-        block = self.gather_block
-        if isinstance(block, bool) or not isinstance(block, int) or not 8 <= block <= 8192 or block & (block - 1):
-            raise ValueError(f"MixedPrecisionPolicy.gather_block must be a power of two from 8 to 8192, got {block!r}")
+        try:
+            check_gather_block(self.gather_block)
+        except ValueError as error:
+            raise ValueError(f"MixedPrecisionPolicy.gather_block {error}") from None
         for field in ("param_dtype", "reduce_dtype", "output_dtype"):
             dtype = getattr(self, field)
             if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):

@@ -2,6 +2,7 @@
 flags with these before torch is imported ([Note: lazy package exports] in `_lazy.py`).
 
     torch_dtype("bf16")              # torch.bfloat16, the dtype a --param-dtype bf16 means
+    check_gather_block(128)          # None; a ValueError for a block a quantized gather cannot use
     parse_memory_budget("512MiB")    # 536870912, what --memory-budget 512MiB means
 """
 
@@ -19,9 +20,28 @@ except ImportError:  # Python 3.10
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["AC_POLICIES", "DTYPES", "TIERS", "dtype_name", "parse_memory_budget", "profile_names", "torch_dtype"]
+__all__ = [
+    "AC_POLICIES",
+    "DEFAULT_GATHER_BLOCK",
+    "DTYPES",
+    "GATHER_BLOCKS",
+    "QUANTIZED_GATHER_DTYPES",
+    "TIERS",
+    "check_gather_block",
+    "dtype_name",
+    "parse_memory_budget",
+    "profile_names",
+    "torch_dtype",
+]
 
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}  # a flag's dtype name -> torch's name
+
+# what `MixedPrecisionPolicy.gather_dtype` accepts (`--gather-dtype` adds "none"): the code type each
+# sharded element travels the all-gather as
+QUANTIZED_GATHER_DTYPES = ("int8", "float8_e4m3fn")
+
+GATHER_BLOCKS = (8, 8192)  # the smallest and largest quantization block (a power of two), in elements
+DEFAULT_GATHER_BLOCK = 128  # elements per scale unless a policy or flag says otherwise
 
 TIERS = ("none", "optimizer", "all")  # offload tiers: `OffloadPolicy.of_tier`, `--offload`
 
@@ -41,6 +61,15 @@ def dtype_name(dtype: torch.dtype) -> str:
     """The flag's name of a torch dtype ("bf16"); torch's own name ("float64") for one not in `DTYPES`."""
     torch_name = str(dtype).removeprefix("torch.")
     return next((name for name, known in DTYPES.items() if known == torch_name), torch_name)
+
+
+def check_gather_block(block: object) -> None:
+    """`ValueError` unless `block` is a quantization block a quantized gather can use: an int, a power
+    of two from `GATHER_BLOCKS[0]` to `GATHER_BLOCKS[1]` (the message names the value, the caller the
+    setting)."""
+    low, high = GATHER_BLOCKS
+    if isinstance(block, bool) or not isinstance(block, int) or not low <= block <= high or block & (block - 1):
+        raise ValueError(f"must be a power of two from {low} to {high}, got {block!r}")
 
 
 def parse_memory_budget(text: str) -> int | float:

@@ -14,8 +14,9 @@ from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 import simplefsdp
-from simplefsdp.inspect.advise import Advice, Row, advise
+from simplefsdp.inspect.advise import Advice, Choice, Row, advise
 from simplefsdp.inspect.advised_run import run_settings, torchrun_command, train_command, write_toml
+from simplefsdp.inspect.cli import LOSSY_ADVICE
 from simplefsdp.inspect.dryrun import AC_POLICIES
 from simplefsdp.inspect.report import builtin_profile_note
 from simplefsdp.inspect.shapes import ModelShape
@@ -56,8 +57,10 @@ def _offload_cell(row: Row) -> str:
 
 
 def ranking_table(advice: Advice, *, rows: int, wide: bool = False) -> Table:
-    """The ranked configurations; `wide`: every column (else MFU and exposed communication are left out)."""
+    """The ranked configurations; `wide`: every column (else MFU and exposed communication are left
+    out); a gather column where the search had quantized gathers in it."""
     capacity = f"{_size(advice.capacity_bytes)}, margin {advice.margin:.0%}"
+    lossy = any(row.choice.gather_dtype is not None for row in advice.rows)
     columns = [
         Column("#", right=True),
         Column("strategy"),
@@ -65,6 +68,7 @@ def ranking_table(advice: Advice, *, rows: int, wide: bool = False) -> Table:
         Column("TP", right=True),
         Column("plan", wrap=True),
         Column("offload", wrap=True),
+        *([Column("gather", wrap=True)] if lossy else []),
         Column("step ms", right=True, wide=True),
         Column("tokens/s/GPU", right=True),
         Column("MFU", wide=True),
@@ -94,6 +98,7 @@ def ranking_table(advice: Advice, *, rows: int, wide: bool = False) -> Table:
                 str(choice.tp),
                 choice.plan_label(),
                 _offload_cell(row),
+                *([choice.gather_dtype or "-"] if lossy else []),
                 *numbers,
                 _verdict_cell(row),
             )
@@ -145,13 +150,31 @@ def show_advice(advice: Advice, args: argparse.Namespace, console: Console, *, s
         soft_wrap=True,
         highlight=False,
     )
+    if advice.lossy is not None:
+        _show_lossy(advice.lossy, winner, args, console, shape=shape)
 
 
-def _show_run(winner: Row, args: argparse.Namespace, console: Console, *, shape: ModelShape) -> None:
-    """The advised `simplefsdp train` run of a named shape: the command (this machine's ranks), the
-    torchrun line for the advised world, and with `--advise-toml` the file both can read."""
-    settings = run_settings(
-        winner.choice,
+def _show_lossy(
+    lossy: Row, winner: Row, args: argparse.Namespace, console: Console, *, shape: ModelShape | None
+) -> None:
+    """The winner re-evaluated with quantized gathers ([Note: lossy gathers, on request] in
+    `advise.py`): apart from the advice, with what it would change and the command that runs it."""
+    result = lossy.result
+    fits = "fits" if lossy.verdict.fits else "[red]does not fit[/red]"
+    console.print(
+        f"[yellow]lossy alternative[/yellow] (the model computes with rounded weights): {lossy.choice.label()} -- "
+        f"{result.step_s / winner.result.step_s:.2f}x the step time, peak {_size(result.peak_bytes)}, {fits}; "
+        "--advise-lossy search lets the search choose it",
+        soft_wrap=True,
+    )
+    if shape is not None:
+        console.print(train_command(_settings(lossy.choice, args, shape=shape)), soft_wrap=True, highlight=False)
+
+
+def _settings(choice: Choice, args: argparse.Namespace, *, shape: ModelShape) -> dict:
+    """The `simplefsdp train` settings of `choice` for a named shape, with the flags' dtypes and sizes."""
+    return run_settings(
+        choice,
         shape=shape,
         param_dtype=args.param_dtype,
         reduce_dtype=args.reduce_dtype,
@@ -161,6 +184,12 @@ def _show_run(winner: Row, args: argparse.Namespace, console: Console, *, shape:
         shard_size=args.shard_size,
         world_size=args.world,
     )
+
+
+def _show_run(winner: Row, args: argparse.Namespace, console: Console, *, shape: ModelShape) -> None:
+    """The advised `simplefsdp train` run of a named shape: the command (this machine's ranks), the
+    torchrun line for the advised world, and with `--advise-toml` the file both can read."""
+    settings = _settings(winner.choice, args, shape=shape)
     console.print(train_command(settings), soft_wrap=True, highlight=False)
     toml = None
     if args.advise_toml:
@@ -181,6 +210,7 @@ def advice_json(advice: Advice) -> dict:
             "prefetch_depth": r.choice.prefetch_depth,
             "memory_budget": r.choice.memory_budget,
             "offload": r.choice.offload,
+            "gather_dtype": r.choice.gather_dtype,  # None: in the param dtype
             "host_bytes": r.verdict.host_bytes,
             "fits": r.fits,
             "peak_bytes": r.verdict.peak_bytes,
@@ -199,7 +229,24 @@ def advice_json(advice: Advice) -> dict:
         "capacity_bytes": advice.capacity_bytes,
         "margin": advice.margin,
         "rows": [row(r) for r in advice.rows],
+        "lossy_alternative": None if advice.lossy is None else row(advice.lossy),
     }
+
+
+LOSSY_CODE = "int8"  # the code type of --advise-lossy's gathers unless --gather-dtype names one
+
+
+def _gathers(args: argparse.Namespace, mp_policy: simplefsdp.MixedPrecisionPolicy) -> dict:
+    """`advise`'s gather arguments per `--advise-lossy` ([Note: lossy gathers, on request]): "search"
+    searches quantized gathers beside gathers in the param dtype; "alternative" (the default) keeps
+    the search in the policy's gather dtype and, where that is the param dtype, prices the winner
+    with quantized gathers beside the advice; "none" only keeps the search in the policy's."""
+    code = mp_policy.gather_dtype or LOSSY_CODE
+    mode = args.advise_lossy or LOSSY_ADVICE[0]
+    if mode == "search":
+        return {"gathers": (None, code), "lossy_alternative": None}
+    alternative = mode == "alternative" and mp_policy.gather_dtype is None
+    return {"gathers": None, "lossy_alternative": code if alternative else None}
 
 
 def run_advise(args: argparse.Namespace, *, model, mp_policy: simplefsdp.MixedPrecisionPolicy) -> Advice:
@@ -241,6 +288,7 @@ def run_advise(args: argparse.Namespace, *, model, mp_policy: simplefsdp.MixedPr
             offload=None if args.offload is None else (args.offload,),
             host_capacity_bytes=host,
             on_progress=progress,
+            **_gathers(args, mp_policy),
         )
     if args.out:
         out = Path(args.out)

@@ -73,6 +73,16 @@ can win]), then the rest, smallest peak first. Ties keep the search's fixed orde
 TP, strategy, AC, pass variant), so the ranking is a pure function of the traced graphs, the
 profile, the capacity and the margin: the same answer every time, in any number of processes.
 
+[Note: lossy gathers, on request]
+A quantized gather (`MixedPrecisionPolicy.gather_dtype`) changes the numbers the model computes
+with, so the advice never picks one unasked: the search runs in the policy's gather dtype (in
+`param_dtype` unless it names a code type). `gathers` widens it -- each configuration also traced
+with the quantized gather, its rows ranked with the rest, so it wins where it is fastest -- at
+twice the traces. Without that, `lossy_alternative` prices the winner's configuration once more
+with quantized gathers (traced again at the depths the search traced it, only its pass variant and
+offload tier re-costed) and keeps it beside the ranking (`Advice.lossy`), not in it: what the lossy
+option would buy, for one more configuration's traces.
+
 MFU counts model FLOPs per token as 6 x parameters + 12 x layers x width x sequence (weights
 forward and backward, and attention scores; recomputation not counted), over the profile's dense
 peak `flops_per_s`; named shapes only.
@@ -158,9 +168,10 @@ class Advice:
     capacity_bytes: float
     margin: float
     rows: tuple[Row, ...]
-    traces: int  # configurations traced (at one depth, or at two or three to extrapolate)
-    recosts: int  # pass variants re-costed on traced graphs
+    traces: int  # configurations the search traced (at one depth, or at two or three to extrapolate)
+    recosts: int  # pass variants the search re-costed on traced graphs
     search_s: float
+    lossy: Row | None = None  # the winner with quantized gathers ([Note: lossy gathers, on request])
 
     @property
     def winner(self) -> Row | None:
@@ -240,6 +251,8 @@ def advise(
     on_progress: Callable[[str], None] | None = None,
     offload: Sequence[str] | None = None,
     host_capacity_bytes: float | None = None,
+    gathers: Sequence[str | None] | None = None,
+    lossy_alternative: str | None = None,
 ) -> Advice:
     """Search the configurations of the module docstring for `model` at `world_size` ranks on
     `device` and rank them. `capacity_bytes` overrides the profile's memory; `margin` is the fits
@@ -248,7 +261,10 @@ def advise(
     depth and its re-costs) at once in worker processes (named shapes; see [Note: worker processes]
     in `workers.py`); `on_progress(message)` is called as each task finishes. `offload`: the tiers of
     `simplefsdp.offload.TIERS` to search (default: all of them where the profile has a host tier, else
-    none); `host_capacity_bytes` overrides the profile's host memory per rank."""
+    none); `host_capacity_bytes` overrides the profile's host memory per rank. `gathers`: the gather
+    dtypes to search (None for gathers in `param_dtype`, or one of `QUANTIZED_GATHER_DTYPES`;
+    default: the policy's); `lossy_alternative`: a code type to price the winner with as well, when
+    no quantized gather was searched ([Note: lossy gathers, on request])."""
     if not isinstance(jobs, int) or jobs < 1:
         raise ValueError(f"jobs must be a positive integer, got {jobs!r}")
     check_batch_and_seq(batch=batch, seq=seq)
@@ -268,6 +284,12 @@ def advise(
         raise ValueError("tp > 1 needs a named shape (a factory's model has no tensor-parallel plan here)")
     if mp_policy is None:
         mp_policy = simplefsdp.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    gathers = tuple(dict.fromkeys((mp_policy.gather_dtype,) if gathers is None else gathers))
+    policies = [dataclasses.replace(mp_policy, gather_dtype=gather) for gather in gathers]  # ValueError if unknown
+    if not policies:
+        raise ValueError("gathers: give at least one gather dtype to search (None: in param_dtype)")
+    if lossy_alternative is not None:
+        dataclasses.replace(mp_policy, gather_dtype=lossy_alternative)  # ValueError if unknown
     shape = model_shape(model) if isinstance(model, str) else model
     name = shape.name if isinstance(shape, ModelShape) else getattr(model, "__name__", type(model).__name__)
     tokens = shape.example_input(batch=batch, seq=seq).numel() if isinstance(shape, ModelShape) else None
@@ -282,7 +304,6 @@ def advise(
         name=name,
         world_size=world_size,
         shard_size=shard_size,
-        mp_policy=mp_policy,
         batch=batch,
         seq=seq,
         optimizer=optimizer,
@@ -302,12 +323,18 @@ def advise(
         if not isinstance(device, str):
             cost.save_profile(profile, profile_ref)
         work = [
-            _Job(tp=degree, strategy=strategy, ac=policy, profile_ref=profile_ref, **common)
+            _Job(tp=degree, strategy=strategy, ac=policy, mp_policy=gathered, profile_ref=profile_ref, **common)
             for degree in tp
             for strategy in searched
             for policy in ac
+            for gathered in policies
         ]
-        rows, traces = _search(work, jobs=jobs if isinstance(shape, ModelShape) else 1, on_progress=on_progress)
+        jobs = jobs if isinstance(shape, ModelShape) else 1
+        rows, traces = _search(work, jobs=jobs, on_progress=on_progress)
+        ranked = rank_rows(rows)
+        lossy = None
+        if lossy_alternative is not None and set(gathers) == {None} and ranked and ranked[0].fits:
+            lossy = _lossy(work, ranked[0], lossy_alternative, jobs=jobs, on_progress=on_progress)
     recosts = sum(not row.pruned for row in rows)
     advice = Advice(
         model=name,
@@ -315,10 +342,11 @@ def advise(
         device=profile,
         capacity_bytes=capacity,
         margin=margin,
-        rows=rank_rows(rows),
+        rows=ranked,
         traces=traces,
         recosts=recosts,
         search_s=time.perf_counter() - started,
+        lossy=lossy,
     )
     logger.info("advise: %d configurations, %d traced, %.1f s", len(rows), traces, advice.search_s)
     return advice
@@ -351,7 +379,8 @@ class _Job:
     host_capacity: float | None  # host memory per rank (None: the profile's)
 
     def label(self) -> str:
-        return f"{self.strategy.value}, AC {self.ac}, TP {self.tp}"
+        gather = "" if self.mp_policy.gather_dtype is None else f", {self.mp_policy.gather_dtype} gathers"
+        return f"{self.strategy.value}, AC {self.ac}, TP {self.tp}{gather}"
 
 
 def _persistent(job: _Job) -> Persistent:
@@ -373,6 +402,8 @@ def _choices(job: _Job, tier: str = "none") -> list[Choice]:
             prefetch_depth=depth,
             memory_budget=budget,
             offload=tier,
+            gather_dtype=job.mp_policy.gather_dtype,
+            gather_block=job.mp_policy.gather_block,
         )
         for plan, depth, budget in PASS_VARIANTS
     ]
@@ -424,14 +455,43 @@ def _trace_and_cost(job: _Job, n_layers: int | None) -> _Depth:
     return _Depth(costed=tuple(costed), persistent=persistent)
 
 
+def _depths(job: _Job) -> tuple[list[int | None], list[int | None]]:
+    """The depths a job may be traced at (three for a deep shape, see [Note: a steady state to
+    extrapolate from]), and the ones its rows are extrapolated from (the last two)."""
+    depths_all = depths(job.shape, max_traced_blocks=job.max_traced_blocks, count=3)
+    return depths_all, depths_all[1:] if len(depths_all) == 3 else depths_all
+
+
+def _lossy(
+    work: Sequence[_Job], winner: Row, gather: str, *, jobs: int, on_progress: Callable[[str], None] | None
+) -> Row:
+    """The `winner`'s configuration with `gather` quantized gathers, traced at the depths the search
+    traced it ([Note: lossy gathers, on request]); its steadiness is not checked (None) for a deep shape."""
+    choice = winner.choice
+    found = next(j for j in work if (j.strategy, j.tp, j.ac) == (choice.strategy, choice.tp, choice.ac))
+    job = dataclasses.replace(
+        found, mp_policy=dataclasses.replace(found.mp_policy, gather_dtype=gather), tiers=(choice.offload,)
+    )
+    _, main = _depths(job)
+    with Workers(jobs=min(jobs, len(main) + 1), world_size=job.world_size, on_progress=on_progress) as workers:
+        held = {}
+        if isinstance(job.shape, ModelShape):
+            held[(job.strategy, job.tp)] = workers.map(_persistent, [(job,)], label=lambda j: f"sharded {j.label()}")[0]
+        traced = workers.map(
+            _trace_and_cost, [(job, n) for n in main], label=lambda j, n: f"traced {j.label()} (the lossy alternative)"
+        )
+    wanted = dataclasses.replace(choice, gather_dtype=gather, gather_block=job.mp_policy.gather_block)
+    rows = _rows(job, traced, main, held, steady=None if len(main) == 2 else True)
+    return next(row for row in rows if row.choice == wanted)
+
+
 def _search(work: list[_Job], *, jobs: int, on_progress: Callable[[str], None] | None) -> tuple[list[Row], int]:
     """The rows of every job in `work` and how many jobs were traced, in three rounds of tasks over
     `Workers` (see [Note: the search's rounds])."""
     first = work[0]
-    depths_all = depths(first.shape, max_traced_blocks=first.max_traced_blocks, count=3)
-    main = depths_all[1:] if len(depths_all) == 3 else depths_all  # extrapolate from the last two
+    depths_all, main = _depths(first)
     with Workers(jobs=jobs, world_size=first.world_size, on_progress=on_progress) as workers:
-        held: dict[tuple, Persistent] = {}
+        held: dict[tuple, Persistent] = {}  # by (strategy, TP): the gather dtype changes no shard
         if isinstance(first.shape, ModelShape):
             keys = list(dict.fromkeys((job.strategy, job.tp) for job in work))
             one_job = {(job.strategy, job.tp): job for job in reversed(work)}

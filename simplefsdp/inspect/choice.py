@@ -16,6 +16,7 @@ from simplefsdp.inspect.dryrun import AC_POLICIES
 from simplefsdp.offload import TIERS
 from simplefsdp.passes.fsdp_pass import BucketConfig, PassConfig
 from simplefsdp.passes.reorder import ReorderConfig
+from simplefsdp.settings import DEFAULT_GATHER_BLOCK, QUANTIZED_GATHER_DTYPES
 from simplefsdp.strategy import ShardingStrategy
 
 __all__ = ["PASS_VARIANTS", "Choice"]
@@ -33,7 +34,8 @@ PASS_VARIANTS: tuple[tuple[str, int | None, float | None], ...] = (
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Choice:
     """One configuration the advisor costs. `prefetch_depth` is None for the auto plan (it picks)
-    and for no passes; `memory_budget` is the auto plan's (a fraction of each graph's peak)."""
+    and for no passes; `memory_budget` is the auto plan's (a fraction of each graph's peak);
+    `gather_dtype` a quantized gather's code type (lossy), None for gathers in the param dtype."""
 
     strategy: ShardingStrategy
     ac: str
@@ -42,10 +44,12 @@ class Choice:
     prefetch_depth: int | None
     memory_budget: float | None = None
     offload: str = "none"  # a tier of `simplefsdp.offload.TIERS`
+    gather_dtype: str | None = None  # one of `QUANTIZED_GATHER_DTYPES`, or None
+    gather_block: int = DEFAULT_GATHER_BLOCK  # elements per scale of a quantized gather
 
-    def order(self) -> tuple[int, int, int, int, int]:
-        """Position in the search's fixed order (TP, strategy, AC, pass variant, offload tier): the
-        ranking's tie-break."""
+    def order(self) -> tuple[int, int, int, int, int, int]:
+        """Position in the search's fixed order (TP, strategy, AC, pass variant, offload tier, gather:
+        lossless first): the ranking's tie-break."""
         strategies = list(ShardingStrategy)
         return (
             self.tp,
@@ -53,7 +57,15 @@ class Choice:
             AC_POLICIES.index(self.ac),
             PASS_VARIANTS.index((self.plan, self.prefetch_depth, self.memory_budget)),
             TIERS.index(self.offload),
+            0 if self.gather_dtype is None else 1 + QUANTIZED_GATHER_DTYPES.index(self.gather_dtype),
         )
+
+    def gather_label(self) -> str:
+        """E.g. "int8 gathers (lossy)"; "" for gathers in the param dtype."""
+        if self.gather_dtype is None:
+            return ""
+        block = "" if self.gather_block == DEFAULT_GATHER_BLOCK else f", block {self.gather_block}"
+        return f"{self.gather_dtype} gathers{block} (lossy)"
 
     def plan_label(self) -> str:
         if self.prefetch_depth is not None:
@@ -64,7 +76,8 @@ class Choice:
 
     def label(self) -> str:
         offload = "" if self.offload == "none" else f", offload {self.offload}"
-        return f"{self.strategy.value}, AC {self.ac}, TP {self.tp}, {self.plan_label()}{offload}"
+        gather = f", {self.gather_label()}" if self.gather_dtype is not None else ""
+        return f"{self.strategy.value}, AC {self.ac}, TP {self.tp}, {self.plan_label()}{offload}{gather}"
 
     def passes(self, *, device: str) -> PassConfig | None:
         """The `PassConfig` this choice wraps with (`device`: the profile name or file the auto plan costs with)."""
@@ -88,6 +101,10 @@ class Choice:
         if self.memory_budget is not None:
             settings["memory_budget"] = f"{self.memory_budget:g}"
         settings["offload"] = self.offload
+        if self.gather_dtype is not None:
+            settings["gather_dtype"] = self.gather_dtype
+            if self.gather_block != DEFAULT_GATHER_BLOCK:
+                settings["gather_block"] = self.gather_block
         return settings
 
     def wrap_call(self, *, param_dtype: str, reduce_dtype: str, profile: str, shard_size: int | None) -> str:
@@ -118,9 +135,14 @@ class Choice:
             passes = f'simplefsdp.PassConfig(bucket=simplefsdp.BucketConfig(plan="auto", device="{profile}"{budget}))'
         else:
             passes = f"simplefsdp.PassConfig(reorder=simplefsdp.ReorderConfig(prefetch_depth={self.prefetch_depth}))"
+        gather = ""
+        if self.gather_dtype is not None:
+            gather = f', gather_dtype="{self.gather_dtype}"'
+            if self.gather_block != DEFAULT_GATHER_BLOCK:
+                gather += f", gather_block={self.gather_block}"
         mp = (
             f"simplefsdp.MixedPrecisionPolicy(param_dtype=torch.{_DTYPE_NAMES[param_dtype]}, "
-            f"reduce_dtype=torch.{_DTYPE_NAMES[reduce_dtype]})"
+            f"reduce_dtype=torch.{_DTYPE_NAMES[reduce_dtype]}{gather})"
         )
         lines += [
             "model = simplefsdp.wrap(",

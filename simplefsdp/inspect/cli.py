@@ -20,11 +20,22 @@ import sys
 from collections.abc import Sequence
 
 from simplefsdp.inspect.tables import console
-from simplefsdp.settings import AC_POLICIES, DTYPES, TIERS, parse_memory_budget, profile_names
+from simplefsdp.settings import (
+    AC_POLICIES,
+    DEFAULT_GATHER_BLOCK,
+    DTYPES,
+    QUANTIZED_GATHER_DTYPES,
+    TIERS,
+    check_gather_block,
+    parse_memory_budget,
+    profile_names,
+)
 from simplefsdp.strategy import ShardingStrategy
 from simplefsdp.writable import check_directory, check_file
 
-__all__ = ["add_arguments", "main"]
+__all__ = ["LOSSY_ADVICE", "add_arguments", "main"]
+
+LOSSY_ADVICE = ("alternative", "search", "none")  # --advise-lossy: the first is the default
 
 
 class _Parser(argparse.ArgumentParser):
@@ -95,6 +106,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--param-dtype", choices=sorted(DTYPES), default="bf16", help="all-gather / compute dtype")
     parser.add_argument("--reduce-dtype", choices=sorted(DTYPES), default="fp32", help="gradient reduction dtype")
     parser.add_argument(
+        "--gather-dtype",
+        choices=("none", *QUANTIZED_GATHER_DTYPES),
+        default="none",
+        help="parameters travel the all-gather as block-scaled codes of this type (lossy); none: in --param-dtype",
+    )
+    parser.add_argument(
+        "--gather-block",
+        type=_gather_block,
+        default=DEFAULT_GATHER_BLOCK,
+        help=f"--gather-dtype: elements per quantization block (default {DEFAULT_GATHER_BLOCK})",
+    )
+    parser.add_argument(
+        "--advise-lossy",
+        choices=LOSSY_ADVICE,
+        default=None,
+        help="--advise and quantized gathers (--gather-dtype's code type, default int8; lossy): alternative "
+        "(default) prices the winner with them beside the advice, search also searches them and lets them "
+        "win, none leaves them out",
+    )
+    parser.add_argument(
         "--plan",
         choices=["blocks", "auto", "none"],
         default=None,
@@ -143,6 +174,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _gather_block(text: str) -> int:
+    """An argparse type: a quantization block (`settings.check_gather_block`)."""
+    try:
+        block = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    try:
+        check_gather_block(block)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+    return block
+
+
 def _degrees(text: str) -> tuple[int, ...]:
     try:
         degrees = tuple(int(part) for part in text.split(","))
@@ -163,6 +207,10 @@ def _check(args: argparse.Namespace) -> None:
         raise ValueError(f"--margin must be in [0, 1), got {args.margin}")
     if args.out is not None:
         check_directory(args.out, name="--out")
+    if args.gather_dtype == "none" and args.gather_block != DEFAULT_GATHER_BLOCK:
+        raise ValueError(f"--gather-block ({args.gather_block}) is for a quantized --gather-dtype; got none")
+    if args.advise_lossy is not None and not args.advise:
+        raise ValueError("--advise-lossy says what --advise does with quantized gathers: give --advise")
     if args.advise_toml is not None:
         if not args.advise:
             raise ValueError("--advise-toml writes what --advise advises: give --advise")

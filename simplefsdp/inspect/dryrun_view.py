@@ -206,6 +206,12 @@ def show(result: DryRunResult, verdict: MemoryVerdict, args: argparse.Namespace,
     for shown in _tables(result, args.rows, wide=args.wide):
         out.print(shown)
     out.print(_assumed_line(args), highlight=False)
+    if args.gather_dtype != "none":
+        out.print(
+            f"gathers: {args.gather_dtype} codes and an fp32 scale per {args.gather_block} elements, the uint8 "
+            f"all-gathers above, dequantized into {args.param_dtype} (lossy: --gather-dtype)",
+            highlight=False,
+        )
     _show_verdict(verdict, result, out, wide=args.wide)
     note = builtin_profile_note(result.device)
     if note:

@@ -124,7 +124,10 @@ def verdict_of(result: DryRunResult, args: argparse.Namespace) -> MemoryVerdict:
 
 def mp_policy(args: argparse.Namespace) -> simplefsdp.MixedPrecisionPolicy:
     return simplefsdp.MixedPrecisionPolicy(
-        param_dtype=torch_dtype(args.param_dtype), reduce_dtype=torch_dtype(args.reduce_dtype)
+        param_dtype=torch_dtype(args.param_dtype),
+        reduce_dtype=torch_dtype(args.reduce_dtype),
+        gather_dtype=None if args.gather_dtype == "none" else args.gather_dtype,
+        gather_block=args.gather_block,
     )
 
 

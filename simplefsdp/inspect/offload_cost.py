@@ -20,6 +20,10 @@ priced from a result traced without it (`simplefsdp/offload.py`, [Note: two tier
   compute dtype's bytes, before the next forward) adds its whole time.
 A per-block plan (`offload_plan.py`) is priced the same way, each tier on its blocks' share of the
 parameters. A profile without a host tier (the CPU one: there the host is the device) cannot price one.
+Under a quantized gather (`MixedPrecisionPolicy.gather_dtype`) nothing here changes: the codes are
+made on the device, by the gather's copy-in, from the shard the host link brought (master dtype) or
+the device kept (compute dtype), so these are the bytes of those copies; the gather's own bytes on
+the wire, codes and scales, come from the trace like every collective's.
 """
 
 from __future__ import annotations
@@ -55,7 +59,8 @@ def check_tier(profile: DeviceProfile, tier: str) -> None:
 
 
 def copy_fraction(mp_policy: MixedPrecisionPolicy, master: torch.dtype = torch.float32) -> float:
-    """The bytes of a shard in the compute dtype per byte of its `master`."""
+    """The bytes of a shard in the compute dtype per byte of its `master` (the device copy the
+    "optimizer" tier keeps; not a quantized gather's bytes on the wire, which the trace holds)."""
     return mp_policy.compute_dtype(master).itemsize / master.itemsize
 
 

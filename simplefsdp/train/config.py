@@ -28,7 +28,16 @@ try:
     import tomllib
 except ImportError:  # Python 3.10
     import tomli as tomllib
-from simplefsdp.settings import DTYPES, TIERS, dtype_name, parse_memory_budget
+from simplefsdp.settings import (
+    DEFAULT_GATHER_BLOCK,
+    DTYPES,
+    GATHER_BLOCKS,
+    QUANTIZED_GATHER_DTYPES,
+    TIERS,
+    check_gather_block,
+    dtype_name,
+    parse_memory_budget,
+)
 from simplefsdp.strategy import ShardingStrategy
 from simplefsdp.train.schedule import COSINE_FLOOR, SCHEDULES
 
@@ -98,6 +107,18 @@ class TrainConfig:
     tp: int = _field(1, "tensor-parallel degree (ranks per tp group)")
     param_dtype: str = _field("fp32", "all-gather / compute dtype", tuple(DTYPES))
     reduce_dtype: str = _field("auto", "gradient reduction dtype; auto: param_dtype", ("auto", *DTYPES))
+    gather_dtype: str = _field(
+        "none",
+        "parameters travel the compiled step's all-gathers as block-scaled codes of this type, dequantized "
+        "into param_dtype (lossy: about half of bf16's bytes; gradients, masters and checkpoints stay full "
+        "precision); none: in param_dtype",
+        ("none", *QUANTIZED_GATHER_DTYPES),
+    )
+    gather_block: int = _field(
+        DEFAULT_GATHER_BLOCK,
+        f"gather_dtype: elements per quantization block (one fp32 scale each), a power of two from "
+        f"{GATHER_BLOCKS[0]} to {GATHER_BLOCKS[1]}",
+    )
     backend: str = _field("inductor", "torch.compile backend; eager: no compile", ("inductor", "aot_eager", "eager"))
     bucket_plan: str = _field("blocks", "simplefsdp bucket plan; none: passes off", ("blocks", "auto", "cap", "none"))
     bucket_cap_mib: float = _field(64.0, "cap / auto plans: MiB per bucket")
@@ -183,6 +204,7 @@ class TrainConfig:
                 parse_memory_budget(self.memory_budget)
             except ValueError as error:
                 raise ConfigError(str(error)) from None
+        self._check_gather()
         if self.device_memory_limit and self.offload != "auto":
             raise ConfigError(f"device_memory_limit is for offload auto; got offload {self.offload!r}")
         if self.profile != "auto":
@@ -192,6 +214,24 @@ class TrainConfig:
                 cost.profile(self.profile)
             except ValueError as error:
                 raise ConfigError(f"profile: {error}") from None
+
+    def _check_gather(self) -> None:
+        try:
+            check_gather_block(self.gather_block)
+        except ValueError as error:
+            raise ConfigError(f"gather_block {error}") from None
+        if self.gather_dtype == "none":
+            if self.gather_block != DEFAULT_GATHER_BLOCK:
+                raise ConfigError(f"gather_block ({self.gather_block}) is for a quantized gather_dtype; got none")
+        elif self.strategy == "NO_SHARD":
+            raise ConfigError(
+                f"gather_dtype {self.gather_dtype} quantizes the parameter all-gathers; strategy NO_SHARD has none"
+            )
+        elif self.backend == "eager":
+            raise ConfigError(
+                f"gather_dtype {self.gather_dtype} quantizes the compiled step's all-gathers; backend eager "
+                "compiles none (use inductor or aot_eager)"
+            )
 
     def _check_shape(self) -> None:
         from simplefsdp.train.data import VOCAB

@@ -182,7 +182,12 @@ def check_model(config: TrainConfig) -> None:
 
 def mp_policy(config: TrainConfig) -> simplefsdp.MixedPrecisionPolicy:
     reduce = None if config.reduce_dtype == "auto" else torch_dtype(config.reduce_dtype)
-    return simplefsdp.MixedPrecisionPolicy(param_dtype=torch_dtype(config.param_dtype), reduce_dtype=reduce)
+    return simplefsdp.MixedPrecisionPolicy(
+        param_dtype=torch_dtype(config.param_dtype),
+        reduce_dtype=reduce,
+        gather_dtype=None if config.gather_dtype == "none" else config.gather_dtype,
+        gather_block=config.gather_block,
+    )
 
 
 def build_model(

@@ -55,7 +55,7 @@ def summary_line(
         f"{model}, {_count(parameters)} parameters",
         "mesh " + " x ".join(f"{name}={size}" for name, size in mesh),
         config.strategy,
-        f"{config.param_dtype}/{reduce}",
+        f"{config.param_dtype}/{reduce}" + (f" gather {config.gather_dtype}" if config.gather_dtype != "none" else ""),
         f"offload {config.offload}",
         f"{tokens_per_step:,} tokens/step",
         f"steps {start + 1}-{config.steps}",

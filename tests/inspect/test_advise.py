@@ -257,6 +257,20 @@ def test_choice_renders_the_train_command_its_toml_file_and_the_wrap_call(tmp_pa
         assert f"offload=simplefsdp.{policy}," in code
         compile(code, "<wrap call>", "exec")
     assert "offload" not in choice.wrap_call(param_dtype="bf16", reduce_dtype="fp32", profile="h100", shard_size=None)
+    assert "gather" not in command
+    for block, flags in ((128, "--gather-dtype int8 "), (64, "--gather-dtype int8 --gather-block 64 ")):
+        quantized = dataclasses.replace(choice, gather_dtype="int8", gather_block=block)
+        line = train_command(_settings(quantized))
+        assert flags in line
+        parsed = parse_args(shlex.split(line)[2:])
+        assert (parsed.gather_dtype, parsed.gather_block) == ("int8", block)
+        code = quantized.wrap_call(param_dtype="bf16", reduce_dtype="fp32", profile="h100", shard_size=None)
+        assert 'reduce_dtype=torch.float32, gather_dtype="int8"' + ("" if block == 128 else ", gather_block=64") in code
+        compile(code, "<wrap call>", "exec")
+        assert quantized.label().endswith(
+            ", int8 gathers (lossy)" if block == 128 else ", int8 gathers, block 64 (lossy)"
+        )
+        assert quantized.order() > choice.order(), "a tie goes to the lossless gather"
 
 
 def test_the_torchrun_line_starts_the_advised_world_and_a_resized_shape_keeps_its_sizes():
@@ -288,6 +302,7 @@ def test_the_torchrun_line_starts_the_advised_world_and_a_resized_shape_keeps_it
 def test_cli_prints_the_ranking_and_the_winner_and_writes_its_run(capsys, tmp_path):
     argv = ["tiny", "--world", "8", "--device", "h100", "--advise", "--ac", "none", "--device-memory-gib", "1"]
     argv += ["--jobs", "1", "--advise-toml", str(tmp_path / "advised.toml")]  # one trace: no worker processes
+    argv += ["--advise-lossy", "none"]  # no int8 alternative: its trace is the slow test's below
     assert cli.main([*argv, "--strategy", "FULL_SHARD", "--offload", "none"]) == 0
     captured = capsys.readouterr()
     out = " ".join(captured.out.split())
@@ -305,6 +320,71 @@ def test_cli_prints_the_ranking_and_the_winner_and_writes_its_run(capsys, tmp_pa
     assert progress[0].startswith("advise: [1/1] sharded FULL_SHARD, AC none, TP 1")
     assert progress[1].startswith("advise: 1 strategy x AC x TP combinations: 0 pruned by the memory bound, 1 to")
     assert progress[2].startswith("advise: [1/1] traced FULL_SHARD, AC none, TP 1")
+
+
+_ONE_CONFIGURATION = [
+    "tiny",
+    "--world",
+    "8",
+    "--device",
+    "h100",
+    "--advise",
+    "--ac",
+    "none",
+    "--strategy",
+    "FULL_SHARD",
+]
+_ONE_CONFIGURATION += ["--offload", "none", "--device-memory-gib", "1", "--jobs", "1"]
+_PLACE = ("strategy", "ac", "tp", "plan", "prefetch_depth", "memory_budget", "offload")
+
+
+def _train_commands(out: str) -> list:
+    return [parse_args(shlex.split(line)[2:]) for line in out.splitlines() if line.startswith("simplefsdp train ")]
+
+
+@pytest.mark.slow
+def test_the_advice_stays_lossless_and_prices_the_winner_with_int8_gathers_beside_it(capsys, tmp_path):
+    """[Note: lossy gathers, on request]: by default no row of the search gathers quantized; the
+    winner's configuration, traced once more with int8 gathers, is shown apart with its command (the
+    winner's with --gather-dtype int8), and moves fewer bytes on the wire, so less waits on them."""
+    assert cli.main([*_ONE_CONFIGURATION, "--out", str(tmp_path)]) == 0
+    captured = capsys.readouterr()
+    data = json.loads((tmp_path / "advice.json").read_text())
+    assert {row["gather_dtype"] for row in data["rows"]} == {None}
+    winner, lossy = data["rows"][0], data["lossy_alternative"]
+    assert lossy["gather_dtype"] == "int8"
+    assert [lossy[k] for k in _PLACE] == [winner[k] for k in _PLACE]
+    assert lossy["exposed_s"] < winner["exposed_s"]
+    out = " ".join(captured.out.split())
+    assert "gather" not in out.split("run: ")[0], "no gather column: the search had none"
+    assert "lossy alternative (the model computes with rounded weights): FULL_SHARD, AC none, TP 1, " in out
+    advised, alternative = _train_commands(captured.out)
+    assert alternative == dataclasses.replace(advised, gather_dtype="int8")
+    progress = captured.err.splitlines()
+    assert progress[-1].startswith(
+        "advise: [1/1] traced FULL_SHARD, AC none, TP 1, int8 gathers (the lossy alternative)"
+    )
+
+
+@pytest.mark.slow
+def test_advise_lossy_search_ranks_int8_gathers_with_the_rest(capsys, tmp_path):
+    """`--advise-lossy search`: every configuration twice, in the param dtype and with int8 gathers,
+    ranked together (a gather column shows which); the advised command gathers as its row does."""
+    assert cli.main([*_ONE_CONFIGURATION, "--out", str(tmp_path), "--advise-lossy", "search"]) == 0
+    captured = capsys.readouterr()
+    data = json.loads((tmp_path / "advice.json").read_text())
+    assert data["lossy_alternative"] is None
+    places = [(tuple(row[k] for k in _PLACE), row["gather_dtype"]) for row in data["rows"]]
+    assert sorted(places, key=str) == sorted(
+        [(place, gather) for place, _ in places if _ is None for gather in (None, "int8")], key=str
+    )
+    fitting = [row for row in data["rows"] if row["fits"]]
+    assert [row["tokens_per_s"] for row in fitting] == sorted((row["tokens_per_s"] for row in fitting), reverse=True)
+    assert "12 configurations" in " ".join(captured.out.split())
+    assert sum(" traced FULL_SHARD, AC none, TP 1" in line for line in captured.err.splitlines()) == 2
+    assert "gather" in captured.out.split("run: ")[0], "the column that tells the rows apart"
+    (advised,) = _train_commands(captured.out)
+    assert advised.gather_dtype == (data["rows"][0]["gather_dtype"] or "none")
 
 
 def test_where_nothing_fits_on_the_device_it_advises_offloading_with_the_command(capsys):
@@ -405,6 +485,7 @@ def test_the_printed_command_trains_the_advised_shape(capsys, tmp_path):
     """The advice for "tiny" at world 2, its `simplefsdp train` line run as printed (2 steps, eager,
     added): the ranks train a model of tiny's parameter count with the advised settings."""
     argv = ["tiny", "--world", "2", "--device", "cpu-gloo", "--device-memory-gib", "1", "--advise"]
+    argv += ["--advise-lossy", "none"]  # the winner's run only: no int8 alternative to trace
     assert cli.main([*argv, "--ac", "none", "--strategy", "FULL_SHARD", "--jobs", "1"]) == 0
     out = capsys.readouterr().out
     command = shlex.split(next(line for line in out.splitlines() if line.startswith("simplefsdp train ")))

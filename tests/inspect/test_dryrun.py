@@ -151,3 +151,26 @@ def test_model_failing_on_its_input_is_named():
 
     with pytest.raises(ValueError, match=r"Sequential does not run on the example input \(\(2, 5\) torch.float32\)"):
         dry_run(broken, world_size=8, mp_policy=simplefsdp.MixedPrecisionPolicy())
+
+
+def test_int8_gathers_send_about_half_of_bf16s_bytes_and_the_models_price_what_was_traced():
+    """`inspect --gather-dtype int8` traces the quantized gathers: each forward / backward all-gather
+    is a uint8 collective of codes + fp32 scales (block 128) whose bytes per step are at most 0.55x of
+    what a bf16 gather of the same parameters sends (2 bytes each: the elements, padding left out),
+    and the schedule charges those bytes; the quantize / dequantize copies are bucket plumbing."""
+    from simplefsdp.kernels.quant_ops import QUANT_COPY_IN, QUANT_COPY_OUT
+    from simplefsdp.passes.collectives import is_bucket_copy
+
+    policy = simplefsdp.MixedPrecisionPolicy(
+        param_dtype=torch.bfloat16, reduce_dtype=torch.float32, gather_dtype="int8", gather_block=128
+    )
+    report = dry_run(TINY, world_size=8, device="h100", mp_policy=policy).report
+    gathers = [row for row in report.buckets if row.collective == "all_gather"]
+    assert {row.dtype for row in gathers} == {torch.uint8}
+    assert sum(row.nbytes for row in gathers) <= 0.55 * sum(2 * row.numel for row in gathers)
+    charged = {event.name: event.nbytes for event in report.schedule.comm if event.collective == "all_gather"}
+    assert charged == {row.node: row.nbytes for row in gathers}
+    graphs = (report.capture.forward, report.capture.backward)
+    quantized = [node for graph in graphs for node in graph.nodes if node.target in (QUANT_COPY_IN, QUANT_COPY_OUT)]
+    assert len(quantized) == 2 * len(gathers), "one quantize and one dequantize per bucket"
+    assert all(is_bucket_copy(node) for node in quantized)

@@ -73,6 +73,8 @@ def test_the_copy_fraction_and_the_regather_follow_the_policy_and_strategy():
     bf16 = simplefsdp.MixedPrecisionPolicy(param_dtype=torch.bfloat16)
     assert copy_fraction(bf16) == 0.5
     assert copy_fraction(simplefsdp.MixedPrecisionPolicy()) == 1.0
+    # a quantized gather encodes the device copy on the device: the copy stays in the compute dtype
+    assert copy_fraction(simplefsdp.MixedPrecisionPolicy(param_dtype=torch.bfloat16, gather_dtype="int8")) == 0.5
     assert reshards(ShardingStrategy.FULL_SHARD, "none")
     assert not reshards(ShardingStrategy.SHARD_GRAD_OP, "none")
     assert reshards(ShardingStrategy.SHARD_GRAD_OP, "full"), "checkpointing re-gathers with the blocks"

@@ -239,6 +239,11 @@ def test_the_assumed_batch_and_the_traced_depth_are_printed_with_the_verdict(sma
         small_w8, ["tiny", "--micro-batch", "3", "--seq", "8"], width=80
     )
     assert "memory per rank: the traced model (the whole model)" in text
+    assert "gathers:" not in text
+    quantized = _printed(small_w8, ["tiny", "--gather-dtype", "int8", "--gather-block", "64"], width=10_000)
+    assert (
+        "gathers: int8 codes and an fp32 scale per 64 elements, the uint8 all-gathers above, dequantized" in quantized
+    )
     assert "peak memory / rank (the whole model)" in text
     deep = dataclasses.replace(small_w8, traced_blocks=(4, 5), n_layers=32)
     text = " ".join(_printed(deep, ["tiny"], width=80).replace("│", " ").split())

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from simplefsdp.cli import main as simplefsdp_main
+from simplefsdp.mixed_precision import MixedPrecisionPolicy
 from simplefsdp.train.config import ConfigError, TrainConfig, check_world, parse_args
 from simplefsdp.train.data import TokenBatches, split
 
@@ -48,6 +49,25 @@ def _write(tmp_path, text: str | None) -> str:
         (["--grad-clip", "-1"], "grad_clip must be a finite number >= 0 (0: off); got -1.0"),
         (["--grad-clip", "nan"], "grad_clip must be a finite number >= 0 (0: off); got nan"),
         (["--eval-every", "-1"], "eval_every must be >= 0 (0: off); got -1"),
+        (["--gather-dtype", "int4"], "argument --gather-dtype: invalid choice: 'int4'"),
+        (
+            ["--gather-dtype", "int8", "--gather-block", "100"],
+            "gather_block must be a power of two from 8 to 8192, got 100",
+        ),
+        (["--gather-dtype", "int8", "--gather-block", "16384"], "gather_block must be a power of two from 8 to 8192"),
+        (
+            ["--gather-dtype", "int8", "--gather-block", "4"],
+            "gather_block must be a power of two from 8 to 8192, got 4",
+        ),
+        (["--gather-block", "64"], "gather_block (64) is for a quantized gather_dtype; got none"),
+        (
+            ["--gather-dtype", "int8", "--strategy", "NO_SHARD"],
+            "gather_dtype int8 quantizes the parameter all-gathers; strategy NO_SHARD has none",
+        ),
+        (
+            ["--gather-dtype", "float8_e4m3fn", "--backend", "eager"],
+            "gather_dtype float8_e4m3fn quantizes the compiled step's all-gathers; backend eager compiles none",
+        ),
         (["--sample-tokens", "-2"], "sample_tokens must be >= 0 (0: off); got -2"),
         (["--seq-len", "700"], "seq_len (700) must be shorter than the corpus's training part (49 of 750 tokens; 701"),
         (["--config", "{missing}"], "cannot read config file {missing}: No such file or directory"),
@@ -77,6 +97,8 @@ def test_bad_input_exits_2_naming_it(tmp_path, capsys, argv, expected):
         ("[optim]\nlr = 0.1\n", "unknown keys ['optim']"),
         ("[model]\ndim = 64\n", "model must be str, got dict {'dim': 64}"),
         ("n_heads = 5\n", "dim (128) must be n_heads (5) times an even head dim"),
+        ('gather_dtype = "fp8"\n', "gather_dtype must be one of none, int8, float8_e4m3fn; got 'fp8'"),
+        ('gather_dtype = "int8"\ngather_block = 96\n', "gather_block must be a power of two from 8 to 8192, got 96"),
     ],
 )
 def test_bad_config_file_names_the_file_and_key(tmp_path, capsys, text, expected):
@@ -86,6 +108,20 @@ def test_bad_config_file_names_the_file_and_key(tmp_path, capsys, text, expected
     assert expected in err
     assert path in err
     assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("gather", ["int8", "float8_e4m3fn"])
+def test_gather_flags_build_the_quantized_policy(tmp_path, gather):
+    from simplefsdp.train.loop import mp_policy
+
+    config = parse_args(["--param-dtype", "bf16", "--reduce-dtype", "fp32", "--gather-dtype", gather])
+    assert mp_policy(config) == MixedPrecisionPolicy(
+        param_dtype=torch.bfloat16, reduce_dtype=torch.float32, gather_dtype=gather, gather_block=128
+    )
+    path = tmp_path / "run.toml"
+    path.write_text(f'gather_dtype = "{gather}"\ngather_block = 64\n')
+    assert mp_policy(parse_args(["--config", str(path)])).gather_block == 64
+    assert mp_policy(TrainConfig()).gather_dtype is None  # none: the gather runs in param_dtype
 
 
 def test_world_checks():

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import io
 import json
+import math
 import sys
 
 import pytest
@@ -26,7 +27,14 @@ PNG = b"\x89PNG\r\n\x1a\n"
 def test_config_toml_reads_back_into_the_same_config(tmp_path):
     odd = 'a "quoted" \\ path\twith\nlines, \x01 and ü'
     config = TrainConfig(
-        checkpoint_dir=odd, lr=1e-05, bucket_cap_mib=0.5, progress=False, strategy="SHARD_GRAD_OP", steps=7
+        checkpoint_dir=odd,
+        lr=1e-05,
+        bucket_cap_mib=0.5,
+        progress=False,
+        strategy="SHARD_GRAD_OP",
+        steps=7,
+        gather_dtype="float8_e4m3fn",
+        gather_block=64,
     )
     path = tmp_path / "config.toml"
     path.write_text(to_toml(config))
@@ -44,6 +52,9 @@ def test_summary_line():
         "simplefsdp train: built-in model, 2.13M parameters | mesh dp=2 x tp=2 | FULL_SHARD | bf16/fp32 | "
         "offload none | 1,024 tokens/step | steps 41-100 | inductor | run folder ckpt/run"
     )
+    quantized = TrainConfig(param_dtype="bf16", reduce_dtype="fp32", gather_dtype="int8")
+    line = summary_line(quantized, parameters=950, mesh=[("dp", 2)], tokens_per_step=64, start=0)
+    assert " | bf16/fp32 gather int8 | offload none | " in line
     other = TrainConfig(run_dir="elsewhere", backend="eager")
     assert summary_line(other, parameters=950, mesh=[("dp", 1)], tokens_per_step=64, start=0).endswith(
         "fp32/fp32 | offload none | 64 tokens/step | steps 1-100 | eager | run folder elsewhere"
@@ -136,3 +147,16 @@ def test_a_five_step_run_fills_its_run_folder_and_a_resumed_one_appends(ranks2, 
 
         events = [EventAccumulator(str(path)).Reload() for path in sorted((run / "tensorboard").iterdir())]
         assert [[e.step for e in acc.Scalars("loss")] for acc in events] == [[1, 2, 3, 4, 5], [6, 7]]
+
+
+@pytest.mark.slow  # a compiled 2-rank run (13 s on a busy 2-core host): the gathers quantize in compiled steps only
+def test_an_int8_gather_run_quantizes_its_gathers_and_records_it(ranks2, tmp_path):
+    """`--steps 2 --backend aot_eager --gather-dtype int8`: every rank quantizes its shards for the
+    all-gathers, the loss stays finite, and the run folder's config.toml reads back with the gather."""
+    (calls0, losses), (calls1, _) = ranks2.run(_run_dir_ranks.run_quantized, str(tmp_path))
+    assert calls0 > 0
+    assert calls1 == calls0
+    assert len(losses) == 2
+    assert all(math.isfinite(loss) for loss in losses)
+    config = parse_args(["--config", str(tmp_path / "ckpt" / "run" / "config.toml")])
+    assert (config.gather_dtype, config.gather_block, config.param_dtype) == ("int8", 128, "bf16")
