@@ -236,7 +236,9 @@ def dequantize_gathered(
         codes = rows.new_zeros(world, sum(padded))
         for place, offset, chunk in zip(codes.split(padded, dim=1), layout.code_offsets, layout.chunks, strict=True):
             place[:, :chunk].copy_(rows[:, offset : offset + chunk])
-    values = decode(codes, code_dtype).view(world, layout.n_scales, block).mul_(scales[:, :, None])
+    # torch's own cast of the codes: `decode`'s values for every code the encoder writes (tested)
+    values = codes.contiguous().view(code_dtype).to(torch.float32)
+    values = values.view(world, layout.n_scales, block).mul_(scales[:, :, None])
     values = values.to(dtype).view(world, -1)
     outs = []
     for piece, chunk, numel in zip(values.split(padded, dim=1), layout.chunks, numels, strict=True):
