@@ -79,9 +79,9 @@ with, so the advice never picks one unasked: the search runs in the policy's gat
 `param_dtype` unless it names a code type). `gathers` widens it -- each configuration also traced
 with the quantized gather, its rows ranked with the rest, so it wins where it is fastest -- at
 twice the traces. Without that, `lossy_alternative` prices the winner's configuration once more
-with quantized gathers (traced again at the depths the search traced it, only its pass variant and
-offload tier re-costed) and keeps it beside the ranking (`Advice.lossy`), not in it: what the lossy
-option would buy, for one more configuration's traces.
+with quantized gathers (traced again at the depths the search traced it, priced at its offload
+tier) and keeps it beside the ranking (`Advice.lossy`), not in it: what the lossy option would
+buy, for one more configuration's traces.
 
 MFU counts model FLOPs per token as 6 x parameters + 12 x layers x width x sequence (weights
 forward and backward, and attention scores; recomputation not counted), over the profile's dense

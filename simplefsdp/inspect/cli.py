@@ -121,9 +121,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--advise-lossy",
         choices=LOSSY_ADVICE,
         default=None,
-        help="--advise and quantized gathers (--gather-dtype's code type, default int8; lossy): alternative "
-        "(default) prices the winner with them beside the advice, search also searches them and lets them "
-        "win, none leaves them out",
+        help="--advise and quantized gathers (lossy): alternative (default) prices the winner with int8 gathers "
+        "beside the advice; search also searches every configuration with them (int8, or --gather-dtype's) "
+        "and lets them win; none leaves them out",
     )
     parser.add_argument(
         "--plan",
