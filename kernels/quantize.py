@@ -195,6 +195,7 @@ def _staged(shards: Sequence[torch.Tensor], layout: SlotLayout) -> torch.Tensor:
     return staged.view(-1, layout.block)
 
 
+@torch.no_grad()
 def quantize_slot(
     shards: Sequence[torch.Tensor], chunks: Sequence[int], code_dtype: torch.dtype, block: int
 ) -> torch.Tensor:
@@ -214,6 +215,7 @@ def quantize_slot(
     return slot
 
 
+@torch.no_grad()
 def dequantize_gathered(
     gathered: torch.Tensor,
     chunks: Sequence[int],
