@@ -47,6 +47,8 @@ from simplefsdp.kernels.copy_ops import (
     REDUCE_SCATTER_COPY_IN,
     SUPPORTED_DTYPES,
 )
+from simplefsdp.kernels.quant_ops import QUANT_COPY_IN, QUANT_COPY_OUT, QUANT_FAKE_IMPLS
+from simplefsdp.kernels.quantize import slot_layout
 from simplefsdp.kernels.reference import chunk_numel
 from simplefsdp.passes.backend import reduces_in_place
 from simplefsdp.passes.collectives import Collective, is_cast_or_pad
@@ -58,6 +60,8 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["apply_all_gather_buckets", "apply_reduction_buckets", "independent"]
 
+_FAKE_IMPLS = {**FAKE_IMPLS, **QUANT_FAKE_IMPLS}
+
 aten = torch.ops.aten
 
 
@@ -68,7 +72,7 @@ def _call(graph: fx.Graph, target, *args, **kwargs) -> fx.Node:
     vals, kwvals = fx.node.map_arg((args, kwargs), lambda n: n.meta["val"])
     fake_mode = next(v.fake_mode for v in tree_leaves(vals) if hasattr(v, "fake_mode"))
     with fake_mode:
-        node.meta["val"] = FAKE_IMPLS.get(target, target)(*vals, **kwvals)
+        node.meta["val"] = _FAKE_IMPLS.get(target, target)(*vals, **kwvals)
     return node
 
 
@@ -115,11 +119,13 @@ def _apply(
         if len(members) < 2 or not independent(members):
             continue
         replacements, prep = merge(graph, members)
+        owned = [_own_nodes(member) for member in members]
         for member, replacement in zip(members, replacements, strict=True):
-            member.wait.replace_all_uses_with(replacement)
-        for member in members:
-            graph.erase_node(member.wait)
-            graph.erase_node(member.launch)
+            for result in _results(member):
+                result.replace_all_uses_with(replacement)
+        for nodes in owned:
+            for node in nodes:
+                graph.erase_node(node)
         _erase_dead(graph, prep)
         removed += len(members) - 1
     if unsupported:
@@ -134,6 +140,20 @@ def _apply(
     return removed
 
 
+def _results(member: Collective) -> list[fx.Node]:
+    """The nodes whose value a member's merged replacement takes over: its wait, or a quantized
+    gather's dequantized tensor (the `getitem`s of its `quant_copy_out`'s one output)."""
+    dequantize = getattr(member, "dequantize", None)
+    return [member.wait] if dequantize is None else list(dequantize.users)
+
+
+def _own_nodes(member: Collective) -> list[fx.Node]:
+    """A member's nodes that go once its results are replaced, users before what they use."""
+    dequantize = getattr(member, "dequantize", None)
+    unpacking = [] if dequantize is None else [*dequantize.users, dequantize]
+    return [*unpacking, member.wait, member.launch]
+
+
 def _sent_dtype(member: Collective) -> str:
     val = member.sent.meta.get("val")
     return str(val.dtype) if isinstance(val, torch.Tensor) else "no traced metadata"
@@ -142,7 +162,9 @@ def _sent_dtype(member: Collective) -> str:
 def _copy_ops_support(member: Collective) -> bool:
     """The bucket copy ops read and write `SUPPORTED_DTYPES` only: a member sending, or cast from,
     another dtype (fp64, float8) -- or whose tensors carry no traced metadata to tell -- keeps its
-    own collective."""
+    own collective. A quantized gather's ops are the bucket's already."""
+    if getattr(member, "dequantize", None) is not None:
+        return True
     sent = member.sent
     source, _ = _unprepared(sent, pad_ok=lambda n: True)
     vals = [getattr(node, "meta", {}).get("val") for node in (sent, source)]
@@ -210,6 +232,8 @@ def _erase_dead(graph: fx.Graph, nodes: list[fx.Node]) -> None:
 
 
 def _merge_all_gathers(graph: fx.Graph, members: list[FsdpAllGather]) -> tuple[list[fx.Node], list[fx.Node]]:
+    if members[0].dequantize is not None:  # the members share a merge key: all quantized alike
+        return _merge_quantized_gathers(graph, members)
     # [Note: rank-independent placement] A rank holding a smaller shard of an uneven parameter pads
     # it before gathering; that pad sits wherever the parameter is first used. The copy-in op pads
     # (and casts) itself, reading the graph inputs directly, so the merged collective depends only
@@ -240,6 +264,35 @@ def _merge_all_gathers(graph: fx.Graph, members: list[FsdpAllGather]) -> tuple[l
         pieces = _call(graph, ALL_GATHER_COPY_OUT, waited, chunks, sizes, ndims, world)
         out = [_getitem(graph, pieces, i) for i in range(len(members))]
     return out, [node for _, chain in chains for node in chain]
+
+
+def _merge_quantized_gathers(graph: fx.Graph, members: list[FsdpAllGather]) -> tuple[list[fx.Node], list[fx.Node]]:
+    """One quantized bucket (module docstring's all-gather bucket, with `quant_copy_in` /
+    `quant_copy_out` and a byte buffer): every member's shard and chunk as its own one-member
+    `quant_copy_in` had them, every output shape as its `quant_copy_out` had it. The bytes each member
+    contributes are the same codes and scales (blocks start at each member's chunk), so the merged
+    bucket dequantizes to exactly the unmerged values."""
+    world, group = members[0].group_size, members[0].group_name
+    rank = resolve_process_group(group).rank()
+    shards = [m.quantize.args[0][0] for m in members]
+    chunks = [m.quantize.args[1][0] for m in members]
+    _, _, code_dtype, block, _, _ = members[0].quantize.args
+    *_, dtype = members[0].dequantize.args
+    nbytes = slot_layout(chunks, block).nbytes
+    for member in members:  # as for plain members: an offloaded shard's host copy moves first
+        for node in member.host_copy:
+            if node > members[0].launch:
+                members[0].launch.prepend(node)
+    with graph.inserting_before(members[0].launch):
+        buffer = _call(graph, QUANT_COPY_IN, shards, chunks, code_dtype, block, world, rank)
+        slot = _call(graph, aten.narrow.default, buffer, 0, rank * nbytes, nbytes)
+        gathered = _call(graph, c10d_functional.all_gather_into_tensor_out.default, slot, world, group, out=buffer)
+        waited = _call(graph, c10d_functional.wait_tensor.default, gathered)
+        sizes = [d for m in members for d in m.dequantize.args[2]]
+        ndims = [n for m in members for n in m.dequantize.args[3]]
+        pieces = _call(graph, QUANT_COPY_OUT, waited, chunks, sizes, ndims, world, code_dtype, block, dtype)
+        out = [_getitem(graph, pieces, i) for i in range(len(members))]
+    return out, [m.quantize for m in members]
 
 
 def _merge_reductions(graph: fx.Graph, members: list[Collective]) -> tuple[list[fx.Node], list[fx.Node]]:

@@ -30,6 +30,7 @@ from simplefsdp._compat import OpOverload, OpOverloadPacket, c10d_functional, re
 from simplefsdp.gather import OWNER_KEY
 from simplefsdp.kernels.copy_ops import ALL_GATHER_COPY_IN, ALL_GATHER_COPY_OUT, REDUCE_SCATTER_COPY_IN
 from simplefsdp.kernels.host_copy import COPY_START, COPY_WAIT
+from simplefsdp.kernels.quant_ops import QUANT_COPY_IN, QUANT_COPY_OUT
 from simplefsdp.passes.walk import reaches
 
 __all__ = [
@@ -122,7 +123,7 @@ def is_communication(node: fx.Node) -> bool:
     return node.op == "call_function" and getattr(node.target, "namespace", "") == "_c10d_functional"
 
 
-_BUCKET_COPIES = {ALL_GATHER_COPY_IN, ALL_GATHER_COPY_OUT, REDUCE_SCATTER_COPY_IN}
+_BUCKET_COPIES = {ALL_GATHER_COPY_IN, ALL_GATHER_COPY_OUT, REDUCE_SCATTER_COPY_IN, QUANT_COPY_IN, QUANT_COPY_OUT}
 
 
 def is_bucket_copy(node: fx.Node) -> bool:
@@ -283,10 +284,13 @@ _PASSTHROUGH_TARGETS = {
     torch.ops.aten.cat.default,
     torch.ops.prims.convert_element_type.default,
     operator.getitem,
-    # simplefsdp's bucket copy ops (kernels/): move, cast and pad only
+    # simplefsdp's bucket copy ops (kernels/): move, cast and pad only -- or, for a quantized gather,
+    # re-encode the same values (what a gathered weight derives from, not new information)
     ALL_GATHER_COPY_IN,
     ALL_GATHER_COPY_OUT,
     REDUCE_SCATTER_COPY_IN,
+    QUANT_COPY_IN,
+    QUANT_COPY_OUT,
     # an offloaded shard's copy to the device and its gradient's copy back (kernels/host_copy.py)
     COPY_START,
     COPY_WAIT,

@@ -29,6 +29,7 @@ from torch import fx
 
 from simplefsdp._compat import OpOverload
 from simplefsdp.kernels.host_copy import is_copy_wait
+from simplefsdp.kernels.quant_ops import QUANT_COPY_IN, QUANT_COPY_OUT
 from simplefsdp.passes.collectives import (
     Collective,
     find_collectives,
@@ -50,6 +51,13 @@ class FsdpAllGather(Collective):
     prep: tuple[fx.Node, ...]  # cast / pad nodes from `source` (or the host copy) to the collective's input, in order
     # an offloaded shard: the nodes copying `source` to the device (views, copy start and wait), in order
     host_copy: tuple[fx.Node, ...] = ()
+    # a quantized gather: its `quant_copy_out` (the wait's one user; `prep` ends with its `quant_copy_in`)
+    dequantize: fx.Node | None = None
+
+    @property
+    def quantize(self) -> fx.Node | None:
+        """A quantized gather's `quant_copy_in` node (what it sends); None for a plain gather."""
+        return self.sent if self.dequantize is not None else None
 
 
 def _gathered_graph_input(node: fx.Node) -> tuple[fx.Node | None, tuple[fx.Node, ...], tuple[fx.Node, ...]]:
@@ -84,12 +92,34 @@ def _is_view(node: fx.Node) -> bool:
     return node.op == "call_function" and isinstance(node.target, OpOverload) and node.target.is_view
 
 
+def _quantized_parts(gather: Collective) -> tuple[fx.Node, fx.Node] | None:
+    """A one-member quantized gather's shard (the `quant_copy_in`'s input) and `quant_copy_out`; None
+    for anything else (a plain gather, or a bucket already merged)."""
+    sent, wait = gather.sent, gather.wait
+    if sent.op != "call_function" or sent.target is not QUANT_COPY_IN or wait is None or len(sent.args[0]) != 1:
+        return None
+    users = list(wait.users)
+    if len(users) != 1 or users[0].target is not QUANT_COPY_OUT:
+        return None
+    return sent.args[0][0], users[0]
+
+
 def find_fsdp_all_gathers(graph: fx.Graph, *, groups: Collection[tuple[int, ...]] | None = None) -> list[FsdpAllGather]:
     found = []
     for gather in find_collectives(graph, kinds=("all_gather",), groups=groups):
-        source, prep, host_copy = _gathered_graph_input(gather.sent)
+        quantized = _quantized_parts(gather)
+        shard, dequantize = quantized if quantized is not None else (gather.sent, None)
+        views = []
+        while dequantize is not None and _is_view(shard):  # the shard's DTensor unwrapped
+            views.append(shard)
+            shard = shard.args[0]
+        source, prep, host_copy = _gathered_graph_input(shard)
+        if dequantize is not None:
+            prep = (*prep, *reversed(views), gather.sent)
         if source is not None and gather.wait is not None:
-            found.append(FsdpAllGather(**_fields(gather), source=source, prep=prep, host_copy=host_copy))
+            found.append(
+                FsdpAllGather(**_fields(gather), source=source, prep=prep, host_copy=host_copy, dequantize=dequantize)
+            )
     return found
 
 

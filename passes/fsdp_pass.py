@@ -255,7 +255,17 @@ def _merge_key(collective: Collective) -> MergeKey:
         group_size=collective.group_size,
         dtype=collective.dtype,
         reduce_op=collective.reduce_op,
+        quantized=_quantized_key(collective),
     )
+
+
+def _quantized_key(collective: Collective) -> tuple[torch.dtype, int, torch.dtype] | None:
+    """A quantized gather's (code dtype, block, output dtype), read from its `quant_copy_out`."""
+    dequantize = getattr(collective, "dequantize", None)
+    if dequantize is None:
+        return None
+    *_, code_dtype, block, dtype = dequantize.args
+    return code_dtype, block, dtype
 
 
 def plan_buckets(

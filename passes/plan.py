@@ -51,13 +51,15 @@ __all__ = [
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class MergeKey:
     """What collectives must share to merge into one: the same kind of collective, on the same
-    process group, in the same dtype, with the same reduce op."""
+    process group, in the same dtype, with the same reduce op -- and quantized gathers the same code
+    type, block and output dtype (one `quant_copy_out` dequantizes a whole bucket)."""
 
     kind: str  # "all_gather", "reduce_scatter" or "all_reduce"
     group_name: str
     group_size: int
     dtype: torch.dtype
     reduce_op: str | None = None  # None for all-gathers
+    quantized: tuple[torch.dtype, int, torch.dtype] | None = None  # (code dtype, block, output dtype)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -66,6 +66,7 @@ from torch.utils.checkpoint import checkpoint
 from simplefsdp import accumulate, tied
 from simplefsdp.accumulate import Accumulation
 from simplefsdp.offload import HostShard, to_device
+from simplefsdp.quantized_gather import QuantizedGather, gather_quantized, quantizes
 from simplefsdp.tensor_parallel import TensorParallelLayout
 
 __all__ = ["OWNER_KEY", "GatherSpec", "gather_full", "reduce_deferred"]
@@ -102,6 +103,8 @@ class GatherSpec:
     # the copy of the shard the device keeps under `OffloadPolicy(parameters=False)`, read instead
     # of copying the host shard in
     device_copy: torch.Tensor | None = dataclasses.field(default=None, compare=False)
+    # gathered as block-scaled codes (`quantized_gather.py`); None: gathered in `param_dtype`
+    quantized: QuantizedGather | None = None
 
     @property
     def full_placements(self) -> tuple[Placement, ...]:
@@ -192,6 +195,14 @@ def _redistribute(param: DTensor, spec: GatherSpec, pending: torch.Tensor | None
         return _adding(lambda wide: _redistribute(param, wide, None), param, spec, pending)
     if spec.host is not None:
         param = to_device(param, spec.host, spec.device_copy)
+    if spec.quantized is not None and torch.compiler.is_compiling() and quantizes(param):
+        return gather_quantized(
+            param,
+            spec.quantized,
+            param_dtype=spec.param_dtype or param.dtype,
+            reduce_dtype=spec.reduce_dtype or param.dtype,
+            reduce_op=spec.reduce_op,
+        )
     full = param.redistribute(
         placements=spec.full_placements,
         forward_dtype=spec.param_dtype,

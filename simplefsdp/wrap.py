@@ -35,6 +35,7 @@ from simplefsdp.offload_plan import OffloadPlan
 from simplefsdp.parametrize import gather_on_access, is_wrapped_module
 from simplefsdp.passes.fsdp_pass import FsdpPass, PassConfig
 from simplefsdp.passes.install import attach_pass
+from simplefsdp.quantized_gather import QuantizedGather
 from simplefsdp.replicated import broadcast_replicated
 from simplefsdp.strategy import ShardingStrategy
 from simplefsdp.tensor_parallel import TensorParallelLayout, check_tensor_parallel, shard_tensor_parallel
@@ -347,7 +348,14 @@ def _spec(
         tp=layout,
         host=host,
         device_copy=device_copy_of(param),
+        quantized=_quantized(settings.mp_policy),
     )
+
+
+def _quantized(policy: MixedPrecisionPolicy) -> QuantizedGather | None:
+    if policy.gather_dtype is None:
+        return None
+    return QuantizedGather(gather_dtype=policy.gather_dtype, block=policy.gather_block)
 
 
 def _shard(
