@@ -433,9 +433,13 @@ def main(argv: list[str] | None = None) -> int:
     profile = results.pop("profile")
     host = results.pop("host", None)
     matmuls = results.pop("bf16_matmuls", None)
-    rows = {}
+    rows, predictions = {}, {}
     for name in args.rows:
-        predicted = {} if args.no_predict else _predict(name, args, world, profile)
+        # a buffer-reuse twin's prediction is its row's: the dry run does not depend on that setting
+        base = name.split(TWIN)[0]
+        if not args.no_predict and base not in predictions:
+            predictions[base] = _predict(base, args, world, profile)
+        predicted = predictions.get(base, {})
         rows[name] = {
             "label": config_of(name).label,
             "strategy": config_of(name).strategy,
