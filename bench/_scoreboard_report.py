@@ -246,6 +246,9 @@ def _bf16_line(matmuls: dict | None) -> list[str]:
 def markdown(document: dict[str, Any]) -> str:
     rows = document["rows"]
     lines = [f"{document['setup']['summary']} ({document['setup']['date']})", ""]
+    load = document["setup"].get("load_average_1min")
+    if load:  # other jobs share the host: what they left of it moves every row's time
+        lines += [f"Host load (1-minute average): {load['start']:.1f} at the start, {load['end']:.1f} at the end.", ""]
     host = document["setup"].get("host_probe")
     if host:  # [Note: the host's speed, twice] in scoreboard.py
         lines += [

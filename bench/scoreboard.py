@@ -426,6 +426,7 @@ def main(argv: list[str] | None = None) -> int:
         argv=argv,
     )
     print(setup["summary"], flush=True)
+    load_at_start = os.getloadavg()[0]  # the host is shared: its load is part of the record
     os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")  # see simplefsdp/train/launch.py's note
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -451,6 +452,7 @@ def main(argv: list[str] | None = None) -> int:
     setup["profile"] = profile
     setup["host_probe"] = host
     setup["bf16_matmuls"] = matmuls and {**matmuls, **report.bf16_units()}
+    setup["load_average_1min"] = {"start": load_at_start, "end": os.getloadavg()[0]}
     document = {"setup": setup, "rows": rows, "targets": report.targets(rows)}
     (out / "scoreboard.json").write_text(json.dumps(document, indent=2) + "\n")
     table = report.markdown(document)

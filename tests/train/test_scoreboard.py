@@ -131,4 +131,7 @@ def test_bf16_and_quantized_rows_run_and_gather_fewer_bytes(tmp_path):
     matmuls = document["setup"]["bf16_matmuls"]
     assert matmuls["fp32_s"] > 0
     assert matmuls["bf16_s"] > 0
-    assert "bf16 compute: the model's matmuls" in (tmp_path / "scoreboard.md").read_text()
+    record = (tmp_path / "scoreboard.md").read_text()
+    assert "bf16 compute: the model's matmuls" in record
+    load = document["setup"]["load_average_1min"]  # the shared host's load, on record
+    assert f"Host load (1-minute average): {load['start']:.1f} at the start, {load['end']:.1f} at the end." in record
