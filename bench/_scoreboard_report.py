@@ -11,11 +11,29 @@ from typing import Any
 
 import torch
 
-__all__ = ["OURS", "PREDICTION_TOLERANCE", "describe_setup", "markdown", "plot", "targets"]
+__all__ = ["OURS", "PREDICTION_TOLERANCE", "bf16_units", "describe_setup", "markdown", "plot", "targets"]
 
 OURS = "ours"  # simplefsdp compiled with its passes, default plan
 SGO_AUTO = "SHARD_GRAD_OP, auto plan"  # the SHARD_GRAD_OP targets met by the auto plan instead of the default
+INT8 = "FULL_SHARD, int8 gathers"  # the targets of the quantized gathers (bf16 policy, block 128)
 PREDICTION_TOLERANCE = {"step": 0.15, "peak": 0.10}  # |predicted / measured - 1| at most
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def bf16_units() -> dict[str, Any]:
+    """Whether this host has bf16 matmul units: the CPU's bf16 instruction flags (None on a GPU)."""
+    if torch.cuda.is_available():
+        return {"cpu_bf16_flags": None}
+    return {"cpu_bf16_flags": sorted(f for f in _cpu_flags() if "bf16" in f)}
 
 
 def _machine() -> str:
@@ -32,10 +50,12 @@ def _machine() -> str:
     return f"{os.cpu_count()} CPU cores ({model})"
 
 
-def describe_setup(args: argparse.Namespace, world: int) -> dict[str, Any]:
+def describe_setup(args: argparse.Namespace, world: int, *, precisions: set[str]) -> dict[str, Any]:
+    """The run's setup (its `summary` is the line above the table); `precisions`: the rows' ("fp32",
+    "bf16")."""
     summary = (
         f"{world} {args.backend} ranks on {_machine()}; Llama-style model, {args.layers} blocks, dim {args.dim}, "
-        f"vocab {args.vocab}, batch {args.batch}x{args.seq} per rank, fp32, AdamW; "
+        f"vocab {args.vocab}, batch {args.batch}x{args.seq} per rank, {_precisions(precisions)}, AdamW; "
         f"median of {args.steps} steps after {args.warmup} warm-up; inductor buffer reuse "
         f"{'on' if args.buffer_reuse else 'off'} in every compiled row; torch {torch.__version__}"
     )
@@ -53,10 +73,19 @@ def describe_setup(args: argparse.Namespace, world: int) -> dict[str, Any]:
     }
 
 
+def _precisions(precisions: set[str]) -> str:
+    """The mixed precision of the run's rows ("fp32" / "bf16"), for the setup line."""
+    policy = "bf16 parameters in compute, fp32 masters and gradient reductions"
+    if "bf16" not in precisions:
+        return "fp32"
+    return f"bf16 rows: {policy}" if precisions == {"bf16"} else f"fp32, and the bf16 rows: {policy}"
+
+
 def _ratio_target(rows: dict, what: str, key: str, baseline: str, metric: str, op: str, bound: float) -> dict | None:
     if key not in rows or baseline not in rows:
         return None
-    ratio = rows[key][metric] / rows[baseline][metric]
+    base = rows[baseline][metric]
+    ratio = rows[key][metric] / base if base else float("inf")  # a baseline of 0 (nothing gathered) meets nothing
     met = ratio >= bound if op == ">=" else ratio <= bound
     return {
         "target": f"{what}: {metric} / {rows[baseline]['label']} {op} {bound}",
@@ -66,23 +95,33 @@ def _ratio_target(rows: dict, what: str, key: str, baseline: str, metric: str, o
     }
 
 
-def _auto_at_same_memory(rows: dict) -> dict | None:
-    """The fastest auto-plan row (calibrated profile) whose peak is at most the default plan's, against it."""
-    if OURS not in rows:
+def _auto_at_same_memory(rows: dict, *, default: str, autos: list[str], what: str) -> dict | None:
+    """The fastest of the auto-plan rows `autos` (calibrated profile) whose peak is at most the
+    default plan's (row `default`), against it."""
+    autos = [rows[k] for k in autos if k in rows]
+    if default not in rows or not autos:
         return None
-    autos = [r for k, r in rows.items() if (k == "ours-auto" or k.startswith("auto@"))]
-    fits = [r for r in autos if r["peak_memory_bytes"] <= rows[OURS]["peak_memory_bytes"]]
-    if not autos:
-        return None
+    fits = [r for r in autos if r["peak_memory_bytes"] <= rows[default]["peak_memory_bytes"]]
     best = max(fits, key=lambda r: r["tokens_per_s"]) if fits else None
-    ratio = best["tokens_per_s"] / rows[OURS]["tokens_per_s"] if best else 0.0
+    ratio = best["tokens_per_s"] / rows[default]["tokens_per_s"] if best else 0.0
     return {
-        "target": "auto plan (calibrated profile): tokens_per_s / default plan >= 1.0 at no more peak memory"
+        "target": f"{what} (calibrated profile): tokens_per_s / default plan >= 1.0 at no more peak memory"
         + (f" (best: {best['label']})" if best else " (no auto row fits the default plan's memory)"),
         "ratio": ratio,
         "met": ratio >= 1.0,
         "missed_by_pct": 0.0 if ratio >= 1.0 else 100.0 * (1.0 - ratio),
     }
+
+
+def _full_shard_targets(rows: dict, what: str, ours: str, precision: str = "") -> list[dict | None]:
+    """The FULL_SHARD targets of row `ours` against the baselines of its precision (`precision`: the
+    suffix of their keys, "" for fp32)."""
+    return [
+        _ratio_target(rows, what, ours, f"fsdp2{precision}", "tokens_per_s", ">=", 1.5),
+        _ratio_target(rows, what, ours, f"fsdp2{precision}", "peak_memory_bytes", "<=", 0.8),
+        _ratio_target(rows, what, ours, f"fsdp2-compile{precision}", "tokens_per_s", ">=", 1.0),
+        _ratio_target(rows, what, ours, f"torch-passes{precision}", "tokens_per_s", ">=", 1.0),
+    ]
 
 
 def _prediction(rows: dict, what: str, predicted: str, measured: str) -> dict | None:
@@ -102,16 +141,21 @@ def _prediction(rows: dict, what: str, predicted: str, measured: str) -> dict | 
 
 def targets(rows: dict[str, dict]) -> list[dict[str, Any]]:
     """Each target whose rows ran: the ratio, met or not, and by how much it is missed."""
+    frontier = [k for k in rows if k.startswith("auto@")]
     found = [
-        _ratio_target(rows, "FULL_SHARD default", OURS, "fsdp2", "tokens_per_s", ">=", 1.5),
-        _ratio_target(rows, "FULL_SHARD default", OURS, "fsdp2", "peak_memory_bytes", "<=", 0.8),
-        _ratio_target(rows, "FULL_SHARD default", OURS, "fsdp2-compile", "tokens_per_s", ">=", 1.0),
-        _ratio_target(rows, "FULL_SHARD default", OURS, "torch-passes", "tokens_per_s", ">=", 1.0),
+        *_full_shard_targets(rows, "FULL_SHARD default", OURS),
         _ratio_target(rows, "SHARD_GRAD_OP", "ours-zero2", "torch-passes-zero2", "tokens_per_s", ">=", 1.05),
         _ratio_target(rows, "SHARD_GRAD_OP", "ours-zero2", "torch-passes-zero2", "peak_memory_bytes", "<=", 1.0),
         _ratio_target(rows, SGO_AUTO, "ours-zero2-auto", "torch-passes-zero2", "tokens_per_s", ">=", 1.05),
         _ratio_target(rows, SGO_AUTO, "ours-zero2-auto", "torch-passes-zero2", "peak_memory_bytes", "<=", 1.0),
-        _auto_at_same_memory(rows),
+        _auto_at_same_memory(rows, default=OURS, autos=["ours-auto", *frontier], what="auto plan"),
+        *_full_shard_targets(rows, "FULL_SHARD default, bf16", "ours-bf16", "-bf16"),
+        _auto_at_same_memory(rows, default="ours-bf16", autos=["ours-auto-bf16"], what="auto plan, bf16"),
+        # the issue's target for quantized gathers: both rows under the bf16 policy
+        _ratio_target(rows, INT8, "ours-int8", "fsdp2-bf16", "tokens_per_s", ">=", 1.5),
+        _ratio_target(rows, INT8, "ours-int8", "fsdp2-bf16", "peak_memory_bytes", "<=", 0.8),
+        # int8 codes are half of bf16's bytes, plus one fp32 scale per 128 elements: 0.5 + 4 / 256
+        _ratio_target(rows, INT8, "ours-int8", "ours-bf16", "gathered_bytes_per_step", "<=", 0.55),
         _prediction(rows, "step", "predicted_step_s", "step_time_s"),
         _prediction(rows, "peak", "predicted_peak_bytes", "peak_memory_bytes"),
     ]
@@ -164,8 +208,11 @@ TWIN = "~reuse-"  # scoreboard.py's suffix of a row compiled with buffer reuse f
 
 
 def _versus(rows: dict, key: str, baseline: str) -> str:
-    """Speed / memory of row `key` against `baseline` of the same buffer-reuse setting (a twin row
-    against the baseline's twin when it ran), as "1.28x / 0.90x"; "-" if absent or the row itself."""
+    """Speed / memory of row `key` against `baseline` of the same precision (a bf16 row against the
+    baseline's bf16 row, `baseline-bf16`) and buffer-reuse setting (a twin row against the baseline's
+    twin when it ran), as "1.28x / 0.90x"; "-" if absent or the row itself."""
+    precision = rows[key].get("precision", "fp32")
+    baseline += "" if precision == "fp32" else f"-{precision}"
     twin = key[key.index(TWIN) :] if TWIN in key else ""
     other = rows.get(baseline + twin, rows.get(baseline))
     if other is None or other is rows[key]:
@@ -175,9 +222,33 @@ def _versus(rows: dict, key: str, baseline: str) -> str:
     return f"{speed:.2f}x / {row['peak_memory_bytes'] / other['peak_memory_bytes']:.2f}x"
 
 
+def _bf16_line(matmuls: dict | None) -> list[str]:
+    """What bf16 compute costs on this host against fp32 ([Note: bf16 compute here] in scoreboard.py)."""
+    if not matmuls:
+        return []
+    ratio = matmuls["bf16_s"] / matmuls["fp32_s"]
+    flags = matmuls.get("cpu_bf16_flags")
+    units = "" if flags is None else f" (the CPU's bf16 flags: {', '.join(flags) or 'none'})"
+    verdict = (
+        "bf16 matmuls ran slower than fp32 on this host: the bf16 rows pay for their halved gathers with slower "
+        "compute, and the fp32 rows are the comparison in fp32 compute"
+        if ratio > 1.0
+        else "bf16 matmuls were not slower than fp32 on this host"
+    )
+    return [
+        f"bf16 compute: the model's matmuls (one block's linear layers and the output layer, at its shapes) took "
+        f"{matmuls['bf16_s'] * 1e3:.2f} ms in bf16 and {matmuls['fp32_s'] * 1e3:.2f} ms in fp32 beside the rows' "
+        f"steps (median), {ratio:.2f}x{units}: {verdict}.",
+        "",
+    ]
+
+
 def markdown(document: dict[str, Any]) -> str:
     rows = document["rows"]
     lines = [f"{document['setup']['summary']} ({document['setup']['date']})", ""]
+    load = document["setup"].get("load_average_1min")
+    if load:  # other jobs share the host: what they left of it moves every row's time
+        lines += [f"Host load (1-minute average): {load['start']:.1f} at the start, {load['end']:.1f} at the end.", ""]
     host = document["setup"].get("host_probe")
     if host:  # [Note: the host's speed, twice] in scoreboard.py
         lines += [
@@ -187,15 +258,17 @@ def markdown(document: dict[str, Any]) -> str:
             + _host_speed_counts(rows, host),
             "",
         ]
+    lines += _bf16_line(document["setup"].get("bf16_matmuls"))
     names = [name for name, _ in BASELINES["FULL_SHARD"]]
     lines += [
-        'Each "vs" column: tokens/s / peak memory against that baseline of the row\'s strategy (1.20x / 0.90x:'
-        " 1.2 times its speed at 0.9 times its memory).",
+        'Each "vs" column: tokens/s / peak memory against that baseline of the row\'s strategy and precision'
+        " (1.20x / 0.90x: 1.2 times its speed at 0.9 times its memory). Gathered / step: bytes of the tensors"
+        " the step's all-gathers gathered on a rank (profiler-recorded inputs x ranks; parameters only).",
         "",
         "| configuration | step time (median) | tokens/s | peak memory / rank | "
         + " | ".join(f"vs {name}" for name in names)
-        + " | resident peak | compile | collectives / step | predicted step | predicted peak |",
-        "|---|---|---|---|" + "---|" * len(names) + "---|---|---|---|---|",
+        + " | resident peak | compile | collectives / step | gathered / step | predicted step | predicted peak |",
+        "|---|---|---|---|" + "---|" * len(names) + "---|---|---|---|---|---|",
     ]
     for key, row in rows.items():
         compile_s = f"{row['compile_s']:.1f} s" if row["compile_s"] else "-"
@@ -203,7 +276,7 @@ def markdown(document: dict[str, Any]) -> str:
         lines.append(
             f"| {row['label']} | {row['step_time_s'] * 1e3:.1f} ms | {row['tokens_per_s']:,.0f} | "
             f"{_mib(row['peak_memory_bytes'])} | {' | '.join(versus)} | {_resident(row)} | {compile_s} | "
-            f"{row['collectives_per_step']} | {_predicted(row)} |"
+            f"{row['collectives_per_step']} | {_mib(row['gathered_bytes_per_step'])} | {_predicted(row)} |"
         )
     if document["targets"]:
         lines += ["", "| target (ours = simplefsdp compiled, our passes) | ratio | met |", "|---|---|---|"]
@@ -257,7 +330,7 @@ def plot(rows: dict[str, dict], path: Path, *, title: str, frontier_prefix: str)
     fig, ax = plt.subplots(figsize=(10, 6.5))
     points = {key: (row["peak_memory_bytes"] / 2**20, row["step_time_s"] * 1e3) for key, row in rows.items()}
     for key, row in rows.items():
-        marker = "s" if row.get("strategy") == "SHARD_GRAD_OP" else "o"
+        marker = "s" if row.get("strategy") == "SHARD_GRAD_OP" else "^" if row.get("precision") == "bf16" else "o"
         ax.scatter(*points[key], marker=marker, color="tab:red" if key == "ours" else "tab:blue")
     frontier = sorted(
         (r for k, r in rows.items() if k.startswith(frontier_prefix) or k == "ours-auto"),
@@ -271,7 +344,7 @@ def plot(rows: dict[str, dict], path: Path, *, title: str, frontier_prefix: str)
             label="auto plan over memory budgets",
         )
         ax.legend(fontsize=8)
-    ax.set_xlabel("peak memory per rank, MiB (lower is better; squares: SHARD_GRAD_OP)")
+    ax.set_xlabel("peak memory per rank, MiB (lower is better; squares: SHARD_GRAD_OP; triangles: bf16)")
     ax.set_ylabel("step time, ms (lower is better)")
     ax.set_title(title, fontsize=8, wrap=True)
     ax.margins(x=0.12, y=0.06)  # room for the labels of the outermost points

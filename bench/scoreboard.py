@@ -2,24 +2,10 @@
 
     python bench/scoreboard.py                          # 2 gloo ranks on the CPU (one rank per GPU on CUDA)
     python bench/scoreboard.py --tiny --out /tmp/sb     # the end-to-end check the tests run (seconds, not a result)
+    python bench/scoreboard.py --set bf16,quant         # only the bf16 and quantized-gather rows
 
-Rows (all fp32, AdamW, the same Llama-style model from the same seed):
-  DDP                               `DistributedDataParallel`, eager
-  FSDP2 eager                       `fully_shard` per block and at the root (its recommended use)
-  FSDP2 + compile per block         each block `torch.compile`d, then `fully_shard` per block and root (as
-                                    torchtitan and the FSDP2 docs do: hooks stay eager, blocks compile)
-  simplefsdp eager                  `simplefsdp.wrap`, no compile
-  simplefsdp compiled, no passes    `wrap(passes=None)` + `torch.compile`: one collective per parameter
-  simplefsdp compiled, our passes   `wrap()` + `torch.compile`: simplefsdp's bucketing and reordering
-  ..., no peak growth               the same with `ReorderConfig(max_peak_growth_bytes=0)`: overlap only
-                                    where the graph's live bytes leave room (no graph's peak grows)
-  ... (auto plan)                   the same with the cost-model ("auto") plan on this machine's profile
-  simplefsdp compiled, torch's      `wrap(passes=None)` + inductor's FX bucketing and overlap reordering
-  the same, SHARD_GRAD_OP           FSDP2 eager and + compile per block with `reshard_after_forward=False`,
-                                    simplefsdp with `strategy="SHARD_GRAD_OP"` (ours and torch's passes):
-                                    like for like, every one keeps the gathered weights for backward
-  auto plan, budget F               the auto plan with `memory_budget=F` (a fraction of each graph's peak),
-                                    for each F of `--frontier`: the step time / memory trade it finds
+Rows: see `_scoreboard_rows.py` (`--set fp32`: fp32; `bf16`: bf16 mixed precision, like for like;
+`quant`: simplefsdp's quantized parameter gathers).
 
 [Note: one inductor setting for every compiled row]
 `wrap()` compiles a model on the CPU with inductor's buffer reuse off ([Note: no buffer reuse on the
@@ -42,11 +28,15 @@ Measurements, per row:
 - compile time: first step minus the median step, compile caches off (eager rows: 0);
 - collectives / step: the process group's own collective calls recorded by `torch.profiler` in one
   step (events named `gloo:*` / `nccl:*`): the same counter for eager hooks and compiled code;
+- gathered / step: in that same step, the bytes of the tensors its all-gathers gathered (each call's
+  recorded input x ranks), the largest over the ranks ([Note: one counter for eager hooks and
+  compiled code] in `_collectives.py`); in these rows only parameters are all-gathered;
 - peak memory per rank: see [Note: peak memory]; the table shows the largest over the ranks;
 - predicted step time and peak memory (simplefsdp's compiled rows with its own passes or none):
   `simplefsdp.inspect.dry_run` of the same configuration with the profile, in the parent process;
 - once per run, the host's speed: the calibration's matmul timed again, interleaved with the rows'
-  steps, against its time in the profile ([Note: the host's speed, twice]).
+  steps, against its time in the profile ([Note: the host's speed, twice]); with bf16 rows, the
+  model's matmuls in bf16 and in fp32 ([Note: bf16 compute here]).
 
 [Note: peak memory]
 All rows live in one process (so their steps can be interleaved), so a process-wide high-water mark
@@ -80,7 +70,6 @@ import json
 import os
 import statistics
 import time
-from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
@@ -88,8 +77,8 @@ import _scoreboard_report as report
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from _collectives import StepCollectives, count_step_collectives
 from _harness import (
-    TORCH_BUILTIN_OPTIONS,
     add_model_arguments,
     interleaved_times,
     model_args,
@@ -99,12 +88,24 @@ from _harness import (
     state_bytes,
     transient_peak,
 )
+from _scoreboard_rows import (
+    CONFIGS,
+    FRONTIER,
+    ROW_SETS,
+    TWIN,
+    Config,
+    compile_options,
+    config_of,
+    fsdp2_policy,
+    passes_of,
+    rows_of_sets,
+    simplefsdp_policy,
+)
 from torch import nn
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 import simplefsdp
-from simplefsdp import gloo
 from simplefsdp._compat import functorch_config, inductor_config, major_minor
 from simplefsdp.calibrate import measure, profile_from
 from simplefsdp.calibrate.high_water import count_cpu_allocations_on_every_thread, tensor_high_water_bytes
@@ -113,83 +114,9 @@ from simplefsdp.inspect.shapes import ModelShape
 from simplefsdp.models import Transformer
 from simplefsdp.passes.cost import save_profile
 
-
-@dataclasses.dataclass(frozen=True)
-class Config:
-    """One row's setup."""
-
-    label: str
-    family: str  # "ddp", "fsdp2" or "simplefsdp"
-    strategy: str = "FULL_SHARD"
-    compiled: bool = True
-    passes: str = "ours"  # simplefsdp: "ours", "auto", "none" or "torch" (inductor's own FX bucketing)
-    budget: float | None = None  # the auto plan's memory_budget
-    peak_growth: int | None = None  # ReorderConfig.max_peak_growth_bytes of our passes
-    buffer_reuse: bool | None = None  # inductor's allow_buffer_reuse; None: the run's setting
-
-
-CONFIGS = {  # key (for --rows and the JSON) -> setup
-    "ddp": Config("DDP", "ddp", compiled=False),
-    "fsdp2": Config("FSDP2 eager", "fsdp2", compiled=False),
-    "fsdp2-compile": Config("FSDP2 + compile per block", "fsdp2"),
-    "simplefsdp-eager": Config("simplefsdp eager", "simplefsdp", compiled=False),
-    "no-passes": Config("simplefsdp compiled, no passes", "simplefsdp", passes="none"),
-    "ours": Config("simplefsdp compiled, our passes", "simplefsdp"),
-    "ours-no-growth": Config("simplefsdp compiled, our passes, no peak growth", "simplefsdp", peak_growth=0),
-    "ours-auto": Config("simplefsdp compiled, our passes (auto plan)", "simplefsdp", passes="auto"),
-    "torch-passes": Config("simplefsdp compiled, torch's passes", "simplefsdp", passes="torch"),
-    "fsdp2-zero2": Config("FSDP2 eager, SHARD_GRAD_OP", "fsdp2", strategy="SHARD_GRAD_OP", compiled=False),
-    "fsdp2-compile-zero2": Config("FSDP2 + compile per block, SHARD_GRAD_OP", "fsdp2", strategy="SHARD_GRAD_OP"),
-    "ours-zero2": Config("simplefsdp SHARD_GRAD_OP, our passes", "simplefsdp", strategy="SHARD_GRAD_OP"),
-    "ours-zero2-auto": Config(
-        "simplefsdp SHARD_GRAD_OP, our passes (auto plan)", "simplefsdp", strategy="SHARD_GRAD_OP", passes="auto"
-    ),
-    "torch-passes-zero2": Config(
-        "simplefsdp SHARD_GRAD_OP, torch's passes", "simplefsdp", strategy="SHARD_GRAD_OP", passes="torch"
-    ),
-}
-FRONTIER = "auto@"  # + a budget fraction: the auto plan under that memory budget
-TWIN = "~reuse-"  # + "on" / "off": a compiled row with inductor's buffer reuse forced that way
 # an even vocabulary: torch 2.11's own bucketing cannot run uneven shards ([Note: torch 2.11's FX
 # bucketing and uneven shards]); uneven shards are tested with simplefsdp's passes in tests/
 TINY = {"layers": 2, "dim": 32, "heads": 4, "ffn": 88, "vocab": 68, "seq": 16, "warmup": 1, "steps": 2}
-
-
-def config_of(key: str) -> Config:
-    """The setup of row `key`: one of `CONFIGS`, or `auto@F` for the auto plan with budget fraction F;
-    either with `~reuse-on` / `~reuse-off` for a compiled row with inductor's buffer reuse forced."""
-    if TWIN in key:
-        base, setting = key.split(TWIN, 1)
-        config = config_of(base)
-        if setting not in ("on", "off") or not config.compiled:
-            raise ValueError(f"row {key!r}: {TWIN}on / {TWIN}off follows a compiled row")
-        label = f"{config.label} [buffer reuse {setting}]"
-        return dataclasses.replace(config, label=label, buffer_reuse=setting == "on")
-    if key in CONFIGS:
-        return CONFIGS[key]
-    if key.startswith(FRONTIER):
-        budget = float(key.removeprefix(FRONTIER))
-        return Config(f"simplefsdp compiled, auto plan, budget {budget:g}", "simplefsdp", passes="auto", budget=budget)
-    raise ValueError(f"unknown row {key!r}; known: {', '.join(CONFIGS)}, or {FRONTIER}<fraction>")
-
-
-def passes_of(config: Config, profile: str) -> simplefsdp.PassConfig | None:
-    """The simplefsdp passes of a row (None: off, for no passes and for torch's own)."""
-    if config.passes in ("none", "torch"):
-        return None
-    if config.passes == "auto":
-        bucket = simplefsdp.BucketConfig(plan="auto", device=profile, memory_budget=config.budget)
-        return simplefsdp.PassConfig(bucket=bucket)
-    if config.peak_growth is not None:
-        return simplefsdp.PassConfig(reorder=simplefsdp.ReorderConfig(max_peak_growth_bytes=config.peak_growth))
-    return simplefsdp.PassConfig()
-
-
-def compile_options(config: Config, buffer_reuse: bool) -> dict[str, object]:
-    """The inductor options a compiled row compiles with ([Note: one inductor setting for every
-    compiled row]): `buffer_reuse` is the run's setting, which a twin row overrides."""
-    reuse = buffer_reuse if config.buffer_reuse is None else config.buffer_reuse
-    return {**(TORCH_BUILTIN_OPTIONS if config.passes == "torch" else {}), "allow_buffer_reuse": reuse}
 
 
 def _fsdp2(model: nn.Module, config: Config, buffer_reuse: bool) -> nn.Module:
@@ -197,14 +124,15 @@ def _fsdp2(model: nn.Module, config: Config, buffer_reuse: bool) -> nn.Module:
         options = compile_options(config, buffer_reuse)
         for i, block in enumerate(model.layers):
             model.layers.register_module(str(i), torch.compile(block, options=options))
-    reshard = config.strategy == "FULL_SHARD"
+    reshard, policy = config.strategy == "FULL_SHARD", fsdp2_policy(config)
     for block in model.layers:
-        fully_shard(block, reshard_after_forward=reshard)
-    return fully_shard(model, reshard_after_forward=reshard)
+        fully_shard(block, reshard_after_forward=reshard, mp_policy=policy)
+    return fully_shard(model, reshard_after_forward=reshard, mp_policy=policy)
 
 
 def _simplefsdp(model: nn.Module, config: Config, profile: str, buffer_reuse: bool) -> nn.Module:
-    simplefsdp.wrap(model, strategy=config.strategy, passes=passes_of(config, profile))
+    policy, passes = simplefsdp_policy(config), passes_of(config, profile)
+    simplefsdp.wrap(model, strategy=config.strategy, mp_policy=policy, passes=passes)
     if not config.compiled:
         return model
     return torch.compile(model, options=compile_options(config, buffer_reuse))
@@ -259,7 +187,7 @@ class Row:
     step: Callable[[], None]
     state_bytes: Callable[[], int]
     first_step_s: float = 0.0
-    collectives: int = 0
+    collectives: StepCollectives | None = None
 
 
 def _make_row(row: str, args: argparse.Namespace, device: torch.device, profile: str) -> Row:
@@ -269,7 +197,7 @@ def _make_row(row: str, args: argparse.Namespace, device: torch.device, profile:
     tokens = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=gen).to(device)  # [B, S + 1]
 
     def step() -> None:
-        logits = forward(tokens[:, :-1])  # [B, S, V]
+        logits = forward(tokens[:, :-1]).float()  # [B, S, V]; the loss in fp32 under every policy
         F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()).backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -283,16 +211,6 @@ def _make_row(row: str, args: argparse.Namespace, device: torch.device, profile:
         step()  # compiles forward and backward (compiled rows)
         result.first_step_s = time.perf_counter() - start
     return result
-
-
-def _count_collectives(step: Callable[[], None]) -> int:
-    """Process-group collective calls in one step (see the module docstring)."""
-    backend = dist.get_backend()
-    prefix = "gloo" if gloo.is_gloo(backend) else backend  # a one-worker gloo group's events say "gloo:"
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        step()
-    names = Counter(event.name for event in prof.events())
-    return sum(n for name, n in names.items() if name.startswith(f"{prefix}:"))
 
 
 def _memory(rows: dict[str, Row], device: torch.device) -> dict[str, tuple[int, int]]:
@@ -350,25 +268,69 @@ def _host_probe(profile: str, device: torch.device) -> tuple[dict, Callable[[], 
     return {"matmul_n": n, "calibration_matmul_s": measured["matmul_s"]}, probe
 
 
+_MATMULS = {"(fp32 matmuls)": torch.float32, "(bf16 matmuls)": torch.bfloat16}  # [Note: bf16 compute here]
+
+
+def _matmul_probes(args: argparse.Namespace, device: torch.device) -> dict[str, Callable[[], None]]:
+    """[Note: bf16 compute here]
+    The bf16 rows run their matmuls in bf16, which pays only where the host multiplies bf16 natively;
+    a CPU without bf16 units (or a kernel library that does not use them) converts and runs them
+    slower than fp32. So the linear layers of one block and the output layer, at the model's shapes
+    ([batch x seq, in] @ [in, out]), are timed in fp32 and in bf16 as two more entries of the
+    interleaved timing, and the report gives both: it says the bf16 rows' compute ran slower than
+    fp32's when it did. Only when a bf16 row runs."""
+    m = args.batch * args.seq
+    shapes = [(args.dim, args.dim)] * 4 + [(args.dim, args.ffn)] * 2 + [(args.ffn, args.dim), (args.dim, args.vocab)]
+
+    def probe(dtype: torch.dtype) -> Callable[[], None]:
+        pairs = [
+            (torch.randn(m, k, device=device, dtype=dtype), torch.randn(k, n, device=device, dtype=dtype))
+            for k, n in shapes
+        ]
+
+        def run() -> None:
+            for a, b in pairs:
+                a @ b
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+
+        return run
+
+    if all(config_of(row).precision == "fp32" for row in args.rows):
+        return {}
+    return {name: probe(dtype) for name, dtype in _MATMULS.items()}
+
+
+def _slowest_median(times: list[float]) -> float:
+    """The largest median over the ranks of a probe's times (calibration keeps its matmul time so)."""
+    medians = [None] * dist.get_world_size()
+    dist.all_gather_object(medians, statistics.median(times))
+    return max(medians)
+
+
 def _worker(rank: int, args: argparse.Namespace, results: dict) -> None:
     device = torch.device("cuda", rank) if args.backend == "nccl" else torch.device("cpu")
     profile = _profile(args, device)
     rows = {}
     for name in args.rows:
         rows[name] = _make_row(name, args, device, profile)
-        rows[name].collectives = _count_collectives(rows[name].step)
+        rows[name].collectives = count_step_collectives(rows[name].step)
         if rank == 0:
             print(f"  built {config_of(name).label}: first step {rows[name].first_step_s:.1f}s", flush=True)
     host = _host_probe(profile, device)
-    steps = {n: r.step for n, r in rows.items()} | ({_HOST: host[1]} if host else {})
+    matmuls = _matmul_probes(args, device)
+    steps = {n: r.step for n, r in rows.items()} | ({_HOST: host[1]} if host else {}) | matmuls
     times = interleaved_times(steps, warmup=args.warmup, timed=args.steps)
-    if host:  # the largest median over the ranks, as calibration keeps its matmul time
-        medians = [None] * dist.get_world_size()
-        dist.all_gather_object(medians, statistics.median(times.pop(_HOST)))
-        results["host"] = {**host[0], "rows_matmul_s": max(medians)}
+    if host:
+        results["host"] = {**host[0], "rows_matmul_s": _slowest_median(times.pop(_HOST))}
+    if matmuls:
+        seconds = {name: _slowest_median(times.pop(name)) for name in matmuls}
+        results["bf16_matmuls"] = {"fp32_s": seconds["(fp32 matmuls)"], "bf16_s": seconds["(bf16 matmuls)"]}
     peaks = _memory(rows, device)
     all_peaks = [None] * dist.get_world_size()
     dist.all_gather_object(all_peaks, peaks)
+    all_gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(all_gathered, {name: row.collectives.gathered_bytes for name, row in rows.items()})
     if rank == 0:
         tokens = dist.get_world_size() * args.batch * args.seq
         results["profile"] = profile
@@ -383,7 +345,9 @@ def _worker(rank: int, args: argparse.Namespace, results: dict) -> None:
                 "resident_peak_bytes": max(p[name][1] for p in all_peaks),
                 "resident_peak_bytes_per_rank": [p[name][1] for p in all_peaks],
                 "compile_s": max(0.0, row.first_step_s - median) if config_of(name).compiled else 0.0,
-                "collectives_per_step": row.collectives,
+                "collectives_per_step": row.collectives.calls,
+                "gathered_bytes_per_step": max(g[name] for g in all_gathered),
+                "gathered_bytes_per_step_per_rank": [g[name] for g in all_gathered],
             }
 
 
@@ -399,7 +363,7 @@ def _predict(row: str, args: argparse.Namespace, world: int, profile: str) -> di
         world_size=world,
         device=profile,
         strategy=config.strategy,
-        mp_policy=simplefsdp.MixedPrecisionPolicy(),
+        mp_policy=simplefsdp_policy(config),
         passes=passes_of(config, profile),
         optimizer="adamw",
     )
@@ -410,7 +374,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add_model_arguments(parser)
     parser.add_argument("--tiny", action="store_true", help=f"a tiny model and 2 timed steps: {TINY}")
-    parser.add_argument("--rows", default=None, help=f"comma-separated: {', '.join(CONFIGS)}, {FRONTIER}<fraction>")
+    which = parser.add_mutually_exclusive_group()
+    which.add_argument("--rows", default=None, help=f"comma-separated: {', '.join(CONFIGS)}, {FRONTIER}<fraction>")
+    which.add_argument(
+        "--set",
+        default="all",
+        help=f"comma-separated sets of rows: {', '.join(ROW_SETS)} (with the --frontier rows) or all (default)",
+    )
     parser.add_argument(
         "--frontier",
         default="0.05,0.2,0.35,0.5",
@@ -433,13 +403,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.tiny:
         vars(args).update(TINY)
-    if args.rows is None:
-        args.rows = [*CONFIGS, *(f"{FRONTIER}{f.strip()}" for f in args.frontier.split(",") if f.strip())]
-    else:
-        args.rows = [r.strip() for r in args.rows.split(",")]
     cuda = torch.cuda.is_available()
     args.buffer_reuse = cuda if args.buffer_reuse == "auto" else args.buffer_reuse == "on"
     try:
+        args.rows = [r.strip() for r in args.rows.split(",")] if args.rows else rows_of_sets(args.set, args.frontier)
         for row in args.rows:
             config_of(row)
         if args.reuse_twins:
@@ -449,7 +416,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(str(error))
     args.backend = "nccl" if cuda else "gloo"
     world = args.world or (torch.cuda.device_count() if cuda else 2)
-    setup = report.describe_setup(args, world)
+    setup = report.describe_setup(args, world, precisions={config_of(row).precision for row in args.rows})
     header = record_header(
         "Scoreboard",
         host=f"{setup['machine']}, {world} {args.backend} ranks",
@@ -459,23 +426,33 @@ def main(argv: list[str] | None = None) -> int:
         argv=argv,
     )
     print(setup["summary"], flush=True)
+    load_at_start = os.getloadavg()[0]  # the host is shared: its load is part of the record
     os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")  # see simplefsdp/train/launch.py's note
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     results = spawn(_worker, args, world=world, backend=args.backend)
     profile = results.pop("profile")
     host = results.pop("host", None)
-    rows = {}
+    matmuls = results.pop("bf16_matmuls", None)
+    rows, predictions = {}, {}
     for name in args.rows:
-        predicted = {} if args.no_predict else _predict(name, args, world, profile)
+        # a buffer-reuse twin's prediction is its row's: the dry run does not depend on that setting
+        base = name.split(TWIN)[0]
+        if not args.no_predict and base not in predictions:
+            predictions[base] = _predict(base, args, world, profile)
+        predicted = predictions.get(base, {})
         rows[name] = {
             "label": config_of(name).label,
             "strategy": config_of(name).strategy,
+            "precision": config_of(name).precision,
+            "gather_dtype": config_of(name).gather,
             **results[name],
             **predicted,
         }
     setup["profile"] = profile
     setup["host_probe"] = host
+    setup["bf16_matmuls"] = matmuls and {**matmuls, **report.bf16_units()}
+    setup["load_average_1min"] = {"start": load_at_start, "end": os.getloadavg()[0]}
     document = {"setup": setup, "rows": rows, "targets": report.targets(rows)}
     (out / "scoreboard.json").write_text(json.dumps(document, indent=2) + "\n")
     table = report.markdown(document)

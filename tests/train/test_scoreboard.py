@@ -32,6 +32,10 @@ ROWS = [
 COMPILED = {"fsdp2-compile", "no-passes", "ours", "torch-passes", "ours-zero2", "auto@0.2", "ours~reuse-on"}
 # simplefsdp's compiled rows with its passes or none
 PREDICTED = {"no-passes", "ours", "ours-zero2", "auto@0.2", "ours~reuse-on"}
+# parameters of --tiny's model (2 blocks, dim 32, ffn 88, vocab 68): the root's own (embedding,
+# output, final norm) and the blocks' (4 attention projections, 3 feed-forward ones, 2 norms each)
+ROOT_PARAMS = 68 * 32 * 2 + 32
+BLOCKS_PARAMS = 2 * (4 * 32 * 32 + 3 * 32 * 88 + 2 * 32)
 
 
 def test_scoreboard_runs_end_to_end(tmp_path):
@@ -50,6 +54,8 @@ def test_scoreboard_runs_end_to_end(tmp_path):
         assert row["resident_peak_bytes"] == max(row["resident_peak_bytes_per_rank"]) > 0  # a CPU run
         assert (row["compile_s"] > 0) == (key in COMPILED), key
         assert row["collectives_per_step"] > 0, key
+        assert row["gathered_bytes_per_step"] == max(row["gathered_bytes_per_step_per_rank"]), key
+        assert (row["gathered_bytes_per_step"] > 0) == (key != "ddp"), key  # DDP all-reduces, gathers nothing
         assert (row["predicted_step_s"] is not None) == (key in PREDICTED), key
         if key in PREDICTED:
             assert row["predicted_step_s"] > 0, key
@@ -69,6 +75,9 @@ def test_scoreboard_runs_end_to_end(tmp_path):
     # the counter sees both eager hooks and compiled code: bucketing must show in it
     assert rows["ours"]["collectives_per_step"] < rows["no-passes"]["collectives_per_step"]
     assert rows["torch-passes"]["collectives_per_step"] < rows["no-passes"]["collectives_per_step"]
+    # FSDP2 gathers every parameter twice, for forward and again for backward (fp32: 4 bytes each);
+    # every tiny dim divides by 2 ranks, so no padding
+    assert rows["fsdp2"]["gathered_bytes_per_step"] == 4 * 2 * (ROOT_PARAMS + BLOCKS_PARAMS)
     # every target whose rows ran, each with a verdict (torch's SHARD_GRAD_OP row did not run: no 1.05x target)
     names = [t["target"].split(" (")[0] for t in document["targets"]]
     assert names == [
@@ -87,7 +96,42 @@ def test_scoreboard_runs_end_to_end(tmp_path):
     table = record.partition("\n- files: ")[2].split("\n\n", 1)[1]
     assert all(f"| {row['label']} |" in table for row in rows.values())
     assert "| vs FSDP2 eager | vs FSDP2 + compile | vs torch's passes |" in table
+    assert "| collectives / step | gathered / step |" in table
     assert f"Host speed: a {host['matmul_n']}^3 matmul took" in table
     assert table
     assert table in done.stdout
     assert (tmp_path / "scoreboard.png").read_bytes().startswith(b"\x89PNG")
+
+
+def test_bf16_and_quantized_rows_run_and_gather_fewer_bytes(tmp_path):
+    """`--tiny` with the bf16 and int8-gather rows only (one eager row, two compiles; the checked-in
+    profile, no predictions): bf16 halves FSDP2's bytes, int8 codes with one fp32 scale per 128
+    elements gather at most 0.55x of bf16's (the same plan: simplefsdp's passes on both), and the
+    report reads the bf16 and int8 targets and times bf16 compute."""
+    keys = ["fsdp2-bf16", "ours-bf16", "ours-int8"]
+    profile = SCRIPT.parent / "results" / "profile.json"
+    command = [sys.executable, str(SCRIPT), "--tiny", "--rows", ",".join(keys), "--no-predict"]
+    command += ["--profile", str(profile), "--out", str(tmp_path)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600, check=False)
+    assert done.returncode == 0, done.stderr
+    document = json.loads((tmp_path / "scoreboard.json").read_text())
+    rows = document["rows"]
+    assert list(rows) == keys
+    assert [(r["precision"], r["gather_dtype"]) for r in rows.values()] == [("bf16", None)] * 2 + [("bf16", "int8")]
+    assert rows["fsdp2-bf16"]["gathered_bytes_per_step"] == 2 * 2 * (ROOT_PARAMS + BLOCKS_PARAMS)  # as fp32's, halved
+    assert 0 < rows["ours-int8"]["gathered_bytes_per_step"] <= 0.55 * rows["ours-bf16"]["gathered_bytes_per_step"]
+    names = [t["target"] for t in document["targets"]]
+    assert names == [
+        "FULL_SHARD default, bf16: tokens_per_s / FSDP2 eager, bf16 >= 1.5",
+        "FULL_SHARD default, bf16: peak_memory_bytes / FSDP2 eager, bf16 <= 0.8",
+        "FULL_SHARD, int8 gathers: tokens_per_s / FSDP2 eager, bf16 >= 1.5",
+        "FULL_SHARD, int8 gathers: peak_memory_bytes / FSDP2 eager, bf16 <= 0.8",
+        "FULL_SHARD, int8 gathers: gathered_bytes_per_step / simplefsdp compiled, our passes, bf16 <= 0.55",
+    ], names
+    matmuls = document["setup"]["bf16_matmuls"]
+    assert matmuls["fp32_s"] > 0
+    assert matmuls["bf16_s"] > 0
+    record = (tmp_path / "scoreboard.md").read_text()
+    assert "bf16 compute: the model's matmuls" in record
+    load = document["setup"]["load_average_1min"]  # the shared host's load, on record
+    assert f"Host load (1-minute average): {load['start']:.1f} at the start, {load['end']:.1f} at the end." in record
