@@ -24,8 +24,8 @@ quantized reduce-scatter is not offered: without error compensation its error ac
 masters.
 
 Where: in compiled steps only (`torch.compile`, where the gathers are traced and bucketed). Outside
-one -- `module.weight` read in eager code, an eager forward, exports -- a gather returns the exact
-full-precision value, so what a user inspects is the master, not its quantized image. Which
+one -- `module.weight` read in eager code, an eager forward, exports -- a gather is the unquantized
+one (the master in `param_dtype`), so what a user inspects is the master, not its quantized image. Which
 parameters: those sharded over exactly one mesh dim, on dim 0 (every sharding strategy's layout); a
 replicated parameter (NO_SHARD, a 0-d one) is not gathered and keeps the plain path.
 """
