@@ -28,10 +28,15 @@ ROWS = [
     "ours-zero2",
     "auto@0.2",
     "ours~reuse-on",  # a twin: compiled with inductor's buffer reuse on, every other compiled row off
+    # like for like under bf16 compute (fp32 masters and reductions), and the int8-gather row
+    "fsdp2-bf16",
+    "ours-bf16",
+    "ours-int8",
 ]
 COMPILED = {"fsdp2-compile", "no-passes", "ours", "torch-passes", "ours-zero2", "auto@0.2", "ours~reuse-on"}
+COMPILED |= {"ours-bf16", "ours-int8"}
 # simplefsdp's compiled rows with its passes or none
-PREDICTED = {"no-passes", "ours", "ours-zero2", "auto@0.2", "ours~reuse-on"}
+PREDICTED = {"no-passes", "ours", "ours-zero2", "auto@0.2", "ours~reuse-on", "ours-bf16", "ours-int8"}
 # parameters of --tiny's model (2 blocks, dim 32, ffn 88, vocab 68): the root's own (embedding,
 # output, final norm) and the blocks' (4 attention projections, 3 feed-forward ones, 2 norms each)
 ROOT_PARAMS = 68 * 32 * 2 + 32
@@ -78,6 +83,12 @@ def test_scoreboard_runs_end_to_end(tmp_path):
     # FSDP2 gathers every parameter twice, for forward and again for backward (fp32: 4 bytes each);
     # every tiny dim divides by 2 ranks, so no padding
     assert rows["fsdp2"]["gathered_bytes_per_step"] == 4 * 2 * (ROOT_PARAMS + BLOCKS_PARAMS)
+    # bf16 halves FSDP2's bytes; int8 codes with one fp32 scale per 128 elements gather at most 0.55x
+    # of bf16's (the same plan: simplefsdp's passes on both)
+    modes = [(rows[k]["precision"], rows[k]["gather_dtype"]) for k in ("fsdp2-bf16", "ours-bf16", "ours-int8")]
+    assert modes == [("bf16", None)] * 2 + [("bf16", "int8")]
+    assert rows["fsdp2-bf16"]["gathered_bytes_per_step"] == 2 * 2 * (ROOT_PARAMS + BLOCKS_PARAMS)
+    assert 0 < rows["ours-int8"]["gathered_bytes_per_step"] <= 0.55 * rows["ours-bf16"]["gathered_bytes_per_step"]
     # every target whose rows ran, each with a verdict (torch's SHARD_GRAD_OP row did not run: no 1.05x target)
     names = [t["target"].split(" (")[0] for t in document["targets"]]
     assert names == [
@@ -86,6 +97,11 @@ def test_scoreboard_runs_end_to_end(tmp_path):
         "FULL_SHARD default: tokens_per_s / FSDP2 + compile per block >= 1.0",
         "FULL_SHARD default: tokens_per_s / simplefsdp compiled, torch's passes >= 1.0",
         "auto plan",
+        "FULL_SHARD default, bf16: tokens_per_s / FSDP2 eager, bf16 >= 1.5",
+        "FULL_SHARD default, bf16: peak_memory_bytes / FSDP2 eager, bf16 <= 0.8",
+        "FULL_SHARD, int8 gathers: tokens_per_s / FSDP2 eager, bf16 >= 1.5",
+        "FULL_SHARD, int8 gathers: peak_memory_bytes / FSDP2 eager, bf16 <= 0.8",
+        "FULL_SHARD, int8 gathers: gathered_bytes_per_step / simplefsdp compiled, our passes, bf16 <= 0.55",
         "predicted step within +-15% of measured, every simplefsdp row",
         "predicted peak within +-10% of measured, every simplefsdp row",
     ], names
@@ -101,37 +117,10 @@ def test_scoreboard_runs_end_to_end(tmp_path):
     assert table
     assert table in done.stdout
     assert (tmp_path / "scoreboard.png").read_bytes().startswith(b"\x89PNG")
-
-
-def test_bf16_and_quantized_rows_run_and_gather_fewer_bytes(tmp_path):
-    """`--tiny` with the bf16 and int8-gather rows only (one eager row, two compiles; the checked-in
-    profile, no predictions): bf16 halves FSDP2's bytes, int8 codes with one fp32 scale per 128
-    elements gather at most 0.55x of bf16's (the same plan: simplefsdp's passes on both), and the
-    report reads the bf16 and int8 targets and times bf16 compute."""
-    keys = ["fsdp2-bf16", "ours-bf16", "ours-int8"]
-    profile = SCRIPT.parent / "results" / "profile.json"
-    command = [sys.executable, str(SCRIPT), "--tiny", "--rows", ",".join(keys), "--no-predict"]
-    command += ["--profile", str(profile), "--out", str(tmp_path)]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=600, check=False)
-    assert done.returncode == 0, done.stderr
-    document = json.loads((tmp_path / "scoreboard.json").read_text())
-    rows = document["rows"]
-    assert list(rows) == keys
-    assert [(r["precision"], r["gather_dtype"]) for r in rows.values()] == [("bf16", None)] * 2 + [("bf16", "int8")]
-    assert rows["fsdp2-bf16"]["gathered_bytes_per_step"] == 2 * 2 * (ROOT_PARAMS + BLOCKS_PARAMS)  # as fp32's, halved
-    assert 0 < rows["ours-int8"]["gathered_bytes_per_step"] <= 0.55 * rows["ours-bf16"]["gathered_bytes_per_step"]
-    names = [t["target"] for t in document["targets"]]
-    assert names == [
-        "FULL_SHARD default, bf16: tokens_per_s / FSDP2 eager, bf16 >= 1.5",
-        "FULL_SHARD default, bf16: peak_memory_bytes / FSDP2 eager, bf16 <= 0.8",
-        "FULL_SHARD, int8 gathers: tokens_per_s / FSDP2 eager, bf16 >= 1.5",
-        "FULL_SHARD, int8 gathers: peak_memory_bytes / FSDP2 eager, bf16 <= 0.8",
-        "FULL_SHARD, int8 gathers: gathered_bytes_per_step / simplefsdp compiled, our passes, bf16 <= 0.55",
-    ], names
+    # bf16 compute timed beside the rows, and the shared host's load on record
     matmuls = document["setup"]["bf16_matmuls"]
     assert matmuls["fp32_s"] > 0
     assert matmuls["bf16_s"] > 0
-    record = (tmp_path / "scoreboard.md").read_text()
     assert "bf16 compute: the model's matmuls" in record
-    load = document["setup"]["load_average_1min"]  # the shared host's load, on record
+    load = document["setup"]["load_average_1min"]
     assert f"Host load (1-minute average): {load['start']:.1f} at the start, {load['end']:.1f} at the end." in record
