@@ -43,6 +43,11 @@ __all__ = ["RankPool"]
 _WORKER_ENV = {"TORCHINDUCTOR_COMPILE_THREADS": "1", "OMP_NUM_THREADS": "1"}
 _COLLECTIVE_TIMEOUT = timedelta(seconds=300)
 _FAILURE_GRACE_S = 20.0
+# A task's timeout counts the task, not the pool's start: each rank reports `_READY` once it has
+# imported torch and joined the group, which on a loaded 2-core machine can take longer than a short
+# task's whole budget; the start has its own, generous limit.
+_READY = "simplefsdp-rank-ready"
+_START_TIMEOUT_S = 300.0
 
 
 def _fault_log(directory: str, rank: int) -> str:
@@ -59,6 +64,7 @@ def _worker(rank: int, world_size: int, directory: str, tasks: mp.Queue, results
     dist.init_process_group(  # one gloo worker thread: [Note: torch's two gloo workers race]
         gloo.backend(), init_method=f"file://{init_file}", rank=rank, world_size=world_size, timeout=_COLLECTIVE_TIMEOUT
     )
+    results.put((rank, True, _READY))
     while (task := tasks.get()) is not None:
         fn, args, kwargs = task
         try:
@@ -99,6 +105,23 @@ class RankPool:
                     os.environ.pop(key, None)
                 else:
                     os.environ[key] = value
+        self._await_ready()
+
+    def _await_ready(self) -> None:
+        """Wait until every rank has joined the group (`_READY`); a rank that does not within
+        `_START_TIMEOUT_S` fails the start, with what is known of it."""
+        ready: set[int] = set()
+        deadline = time.monotonic() + _START_TIMEOUT_S
+        while len(ready) < self.world_size:
+            try:
+                rank, _, value = self._results.get(timeout=max(deadline - time.monotonic(), 0.0))
+            except queue.Empty:
+                missing = sorted(set(range(self.world_size)) - ready)
+                message = f"ranks {missing} did not start within {_START_TIMEOUT_S:.0f}s{self._silent_ranks(missing)}"
+                self.close(kill=True)
+                raise TimeoutError(message) from None
+            assert value == _READY, f"rank {rank} answered {value!r} before it reported ready"
+            ready.add(rank)
 
     def _collect(self, fn: Callable[..., Any]) -> dict[int, tuple[bool, Any]]:
         """Each rank's (ok, value) for the task just queued; fewer entries if a rank failed and the
