@@ -130,6 +130,16 @@ def _flat(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(-1)
 
 
+def _check_slot(shards: Sequence[torch.Tensor], chunks: Sequence[int], world: int, rank: int) -> None:
+    """An all-gather copy-in's slot: one chunk per shard, each shard within its chunk, `rank` in the world."""
+    _check_chunks(chunks, len(shards))
+    if not 0 <= rank < world:
+        raise ValueError(f"rank {rank} is not in [0, world = {world})")
+    for i, (s, c) in enumerate(zip(shards, chunks, strict=True)):
+        if s.numel() > c:
+            raise ValueError(f"shards[{i}] has {s.numel()} elements, more than its chunk of {c}")
+
+
 def _check_chunks(chunks: Sequence[int], n: int) -> None:
     """`chunks` are >= 0, one per tensor."""
     if len(chunks) != n:
@@ -206,12 +216,7 @@ def _all_gather_copy_in(
     are left unwritten (the in-place all-gather fills them)."""
     _check_tensors("shards", shards)
     _check_dtype("dtype", dtype)
-    _check_chunks(chunks, len(shards))
-    if not 0 <= rank < world:
-        raise ValueError(f"rank {rank} is not in [0, world = {world})")
-    for i, (s, c) in enumerate(zip(shards, chunks, strict=True)):
-        if s.numel() > c:
-            raise ValueError(f"shards[{i}] has {s.numel()} elements, more than its chunk of {c}")
+    _check_slot(shards, chunks, world, rank)
     device = shards[0].device if shards else torch.device("cpu")
     out = torch.empty(world * sum(chunks), dtype=dtype, device=device)
     slot = out.narrow(0, rank * sum(chunks), sum(chunks))

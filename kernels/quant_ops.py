@@ -24,6 +24,7 @@ from simplefsdp.kernels import quantize
 from simplefsdp.kernels.copy_ops import (
     _check_chunks,
     _check_dtype,
+    _check_slot,
     _check_tensors,
     _flat,
     _register,
@@ -48,12 +49,7 @@ def _quant_copy_in(
     the other slots are left unwritten (the in-place all-gather fills them)."""
     _check_tensors("shards", shards)
     _check_code_dtype(code_dtype, block)
-    _check_chunks(chunks, len(shards))
-    if not 0 <= rank < world:
-        raise ValueError(f"rank {rank} is not in [0, world = {world})")
-    for i, (s, c) in enumerate(zip(shards, chunks, strict=True)):
-        if s.numel() > c:
-            raise ValueError(f"shards[{i}] has {s.numel()} elements, more than its chunk of {c}")
+    _check_slot(shards, chunks, world, rank)
     layout = quantize.slot_layout(chunks, block)
     device = shards[0].device if shards else torch.device("cpu")
     out = torch.empty(world * layout.nbytes, dtype=torch.uint8, device=device)
