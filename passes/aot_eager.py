@@ -16,10 +16,11 @@ from torch import fx
 from simplefsdp._compat import (
     BoxedCodeGen,
     aot_autograd,
+    inductor_config,
     min_cut_rematerialization_partition,
     register_backend,
 )
-from simplefsdp.passes.install import ChainedPass, installed
+from simplefsdp.passes.install import ChainedPass, configured_passes, installed
 
 __all__ = ["BACKEND_NAME", "backend"]
 
@@ -50,11 +51,20 @@ def _run_post_grad_pass(gm: fx.GraphModule, example_inputs):
     return boxed
 
 
+def _partition(joint: fx.GraphModule, joint_inputs, **kwargs):
+    """Inductor's partition: the configured joint-graph passes (`joint_custom_pre_pass`, e.g. a
+    wrapped model's `ForwardRegionInputs`), then the min-cut partitioner."""
+    for graph_pass in configured_passes(inductor_config.joint_custom_pre_pass):
+        graph_pass(joint.graph)
+    joint.recompile()
+    return min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
+
+
 def backend(gm: fx.GraphModule, example_inputs):
     compile_graphs = aot_autograd(
         fw_compiler=_run_post_grad_pass,
         bw_compiler=_run_post_grad_pass,
-        partition_fn=min_cut_rematerialization_partition,
+        partition_fn=_partition,
     )
     return compile_graphs(gm, example_inputs)
 

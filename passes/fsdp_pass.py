@@ -152,6 +152,8 @@ class FsdpPass(CustomGraphPass):
         self.moved = 0
         self.reorders: list[ReorderResult] = []  # per graph reordered: peaks before / after, budgets
 
+    skips_region_bodies = True  # [Note: the passes skip region bodies] in install.py
+
     def __call__(self, graph: fx.Graph) -> None:
         with _collector_paused():
             self._run(graph)

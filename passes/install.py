@@ -74,12 +74,16 @@ from simplefsdp._compat import (
     functorch_config,
     inductor_config,
     init_backend_registration,
+    is_region_body,
     rank_aware_cache_keys,
+    region_compiles,
 )
 from simplefsdp.activation_checkpoint import has_checkpointed_blocks
 from simplefsdp.class_swap import subclass
 from simplefsdp.passes.fsdp_pass import FsdpPass, code_fingerprint
+from simplefsdp.passes.region_inputs import ForwardRegionInputs
 from simplefsdp.passes.uneven import fold_uneven_reductions
+from simplefsdp.regions import has_regions, refresh_keys
 
 __all__ = [
     "ChainedPass",
@@ -110,7 +114,16 @@ class ChainedPass(CustomInferenceAwareGraphPass or CustomGraphPass):
         self.passes = tuple(passes)
 
     def __call__(self, graph: fx.Graph, is_inference: bool = False) -> None:
+        # [Note: the passes skip region bodies]
+        # Inductor runs the post-grad passes on each invoke_subgraph body (a block compiled as a
+        # nested region, `simplefsdp/regions.py`) before the graph that calls it. A body holds no
+        # collective of the model's (they stay in the calling graph), and it is not a step's graph:
+        # simplefsdp's own passes (those with `skips_region_bodies`) leave it alone, so the pass sees,
+        # and a recording keeps, exactly the step's forward and backward; other passes run on it.
+        body = is_region_body(graph.owning_module)
         for graph_pass in self.passes:
+            if body and getattr(graph_pass, "skips_region_bodies", False):
+                continue
             if _takes_is_inference(graph_pass):
                 graph_pass(graph, is_inference=is_inference)
             else:
@@ -250,6 +263,11 @@ def compile_scope(model: nn.Module) -> Iterator[FsdpPass | None]:
     graph_pass = pass_of(model)
     with contextlib.ExitStack() as stack:
         stack.enter_context(rank_aware_cache_keys(getattr(model, _MESHES_ATTR, ())))
+        if has_regions(model):  # simplefsdp/regions.py; [Note: the passes skip region bodies]
+            stack.enter_context(region_compiles())
+            # [Note: a region must not save the gathered weights] in region_inputs.py
+            joint = ChainedPass([*configured_passes(inductor_config.joint_custom_pre_pass), ForwardRegionInputs()])
+            stack.enter_context(inductor_config.patch(joint_custom_pre_pass=joint))
         if has_checkpointed_blocks(model):  # [Note: side effects in a checkpointed block run once when compiled]
             stack.enter_context(checkpoint_side_effects_once())
         if graph_pass is None:
@@ -294,6 +312,7 @@ def _on_the_cpu(model: nn.Module) -> bool:
 @torch.compiler.disable
 def _enter(model: nn.Module) -> contextlib.ExitStack:
     stack = contextlib.ExitStack()
+    refresh_keys(model)  # [Note: what decides that two blocks share one region] in simplefsdp/regions.py
     stack.enter_context(compile_scope(model))
     return stack
 

@@ -631,6 +631,108 @@ def checkpoint_side_effects_once() -> contextlib.AbstractContextManager:
     return dynamo_config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=True)
 
 
+# [Note: regions reach two torch internals]
+# `nested_compile_region(reuse_hash_fn=...)` is public API (checked on 2.13); on a torch without the
+# argument, regions are off (`regions_supported`). Two internals are not public: the invoke_subgraph
+# operator's `gen_schema`, which torch calls on every autograd dispatch of the operator only to check
+# that the subgraph mutates no input, re-tracing the subgraph each time (`simplefsdp/regions.py`,
+# [Note: the schema check of an invoke_subgraph is computed once]); and inductor's recursion of its
+# post-grad passes into subgraphs, which runs simplefsdp's pass on each region body as if it were a
+# step's graph ([Note: the passes skip region bodies] in `passes/install.py`).
+def regions_supported() -> bool:
+    """Whether this torch's `nested_compile_region` takes a `reuse_hash_fn` (simplefsdp's regions need it)."""
+    import inspect
+
+    return "reuse_hash_fn" in inspect.signature(torch.compiler.nested_compile_region).parameters
+
+
+def nested_compile_region(fn: Callable, *, reuse_key: Callable[..., int]) -> Callable:
+    """`torch.compiler.nested_compile_region(fn)` whose calls share one traced subgraph exactly when
+    `reuse_key` (traced by Dynamo with the call's arguments) returns the same integer; on a torch
+    without that argument, `fn` itself."""
+    if not regions_supported():
+        return fn
+    return torch.compiler.nested_compile_region(fn, reuse_hash_fn=reuse_key, max_reuse_entries=64)
+
+
+_region_depth = 0
+_torch_gen_schema: Callable[..., object] | None = None
+_torch_post_grad: Callable[..., None] | None = None
+_REGION_BODIES: weakref.WeakSet = weakref.WeakSet()
+
+
+def is_region_body(gm: torch.fx.GraphModule | None) -> bool:
+    """Whether inductor is running its post-grad passes on `gm` as the body of an invoke_subgraph
+    (inside `region_compiles`): simplefsdp's own passes leave such graphs alone."""
+    return gm is not None and gm in _REGION_BODIES
+
+
+@contextlib.contextmanager
+def region_compiles() -> Iterator[None]:
+    """Inside the block: the invoke_subgraph operator's schema is generated once per (subgraph,
+    operand metadata) instead of once per call; and the subgraphs inductor runs its post-grad passes
+    on before their parent graph are known as region bodies (`is_region_body`). Nests; on leaving
+    the outermost block torch's functions are back. `InvokeSubgraphHOP.gen_schema` and
+    `torch._inductor.compile_fx._recursive_post_grad_passes` (which visits a graph's subgraphs
+    before the graph): checked on 2.13."""
+    global _region_depth, _torch_gen_schema, _torch_post_grad
+    from torch._higher_order_ops.invoke_subgraph import InvokeSubgraphHOP
+    from torch._inductor import compile_fx
+
+    with _rank_aware_lock:
+        if _region_depth == 0:
+            _torch_gen_schema, _torch_post_grad = InvokeSubgraphHOP.gen_schema, compile_fx._recursive_post_grad_passes
+            InvokeSubgraphHOP.gen_schema = _memoized_gen_schema(_torch_gen_schema)
+            compile_fx._recursive_post_grad_passes = _marking_bodies(_torch_post_grad)
+        _region_depth += 1
+    try:
+        yield
+    finally:
+        with _rank_aware_lock:
+            _region_depth -= 1
+            if _region_depth == 0:
+                InvokeSubgraphHOP.gen_schema, compile_fx._recursive_post_grad_passes = (
+                    _torch_gen_schema,
+                    _torch_post_grad,
+                )
+                _torch_gen_schema = _torch_post_grad = None
+
+
+def _memoized_gen_schema(own: Callable[..., object]) -> Callable[..., object]:
+    from torch._higher_order_ops.invoke_subgraph import FunctionalizeCtxWrapper
+
+    memo: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+    def gen_schema(self, subgraph, identifier, *operands):
+        graph = subgraph.subgraph if isinstance(subgraph, FunctionalizeCtxWrapper) else subgraph
+        meta = tuple(
+            (tuple(o.shape), o.stride(), o.dtype, o.device, o.requires_grad)
+            if isinstance(o, torch.Tensor)
+            else (type(o), o if isinstance(o, int) else id(o))
+            for o in operands
+        )
+        try:
+            entries = memo.setdefault(graph, {})
+        except TypeError:  # not weak-referenceable: no memo
+            return own(self, subgraph, identifier, *operands)
+        if (identifier, meta) not in entries:
+            entries[(identifier, meta)] = own(self, subgraph, identifier, *operands)
+        return entries[(identifier, meta)]
+
+    return gen_schema
+
+
+def _marking_bodies(own: Callable[..., None]) -> Callable[..., None]:
+    from torch._inductor.compile_fx import _get_subgraph_names
+
+    def recursive_post_grad_passes(gm, is_inference: bool = False) -> None:
+        for name in _get_subgraph_names(gm):
+            _REGION_BODIES.add(getattr(gm, name))
+        own(gm, is_inference)
+
+    return recursive_post_grad_passes
+
+
 __all__ = [
     "ACCELERATE_FLOOR",
     "CHECKPOINT_CONTEXT_FN_WARNING",
@@ -668,14 +770,18 @@ __all__ = [
     "inductor_config",
     "init_backend_registration",
     "init_fake_process_group",
+    "is_region_body",
     "major_minor",
     "mark_prepared_for_accelerate",
     "min_cut_rematerialization_partition",
     "module_fqn",
+    "nested_compile_region",
     "point_rnn_weights",
     "rank_aware_cache_key",
     "rank_aware_cache_keys",
     "reduce_scatter_single",
+    "region_compiles",
+    "regions_supported",
     "register_backend",
     "resolve_process_group",
     "rnn_weight_names",

@@ -1,10 +1,11 @@
 """Class swaps: how simplefsdp adds behaviour to a user's module while its names stay the same.
 
 [Note: class swaps]
-Three features give a module a subclass of its own class instead of wrapping it in another module,
+Four features give a module a subclass of its own class instead of wrapping it in another module,
 so that parameter names, state-dict keys and `isinstance` checks do not change:
 
 - `GatherOnAccess[<class>]` (`parametrize.py`): properties that gather each sharded parameter;
+- `Region[<class>]` (`regions.py`): a repeated block whose body compiles once, as a nested region;
 - `Checkpointed[<class>]` (`activation_checkpoint.py`): a forward under activation checkpointing;
 - `PassOnCompile[<class>]` (`passes/install.py`): a root forward that compiles with the model's pass
   (`CompileScope[<class>]` with passes off: its compiles get the per-rank cache keys only).

@@ -55,7 +55,7 @@ the region (the partitioner may then save its compute-dtype copy in that step). 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Literal
 
 import torch
@@ -69,7 +69,7 @@ from simplefsdp.offload import HostShard, to_device
 from simplefsdp.quantized_gather import QuantizedGather, gather_quantized, quantizes
 from simplefsdp.tensor_parallel import TensorParallelLayout
 
-__all__ = ["OWNER_KEY", "GatherSpec", "gather_full", "reduce_deferred"]
+__all__ = ["OWNER_KEY", "GatherSpec", "gather_full", "gather_jointly", "reduce_deferred"]
 
 OWNER_KEY = "simplefsdp_param"  # node.meta["custom"] key naming the parameter a collective serves
 
@@ -133,6 +133,35 @@ def gather_full(param: DTensor, spec: GatherSpec) -> torch.Tensor:
     if spec.tied_key is not None:
         tied.remember(spec.tied_key, full)
     return full
+
+
+def gather_jointly(pairs: Sequence[tuple[DTensor, GatherSpec]]) -> tuple[torch.Tensor, ...] | None:
+    """Each `(param, spec)` gathered as `gather_full` would, resharded after forward under one
+    checkpoint for all of them instead of one per parameter; None (gather each with `gather_full`)
+    unless compiling, every spec reshards, and none needs per-parameter state: a tied parameter, a
+    tensor-parallel one, or a `no_sync` sum to defer or add.
+
+    [Note: one resharding checkpoint per block]
+    Under torch.compile every checkpointed region is a higher-order op that Dynamo traces as a
+    subgraph of its own, at a fixed cost per region (about 0.07 s on the CPU, paid by every
+    parameter of every block: most of Dynamo's time in a deep model). A block compiled as a nested
+    region (`regions.py`) gathers its parameters together, so one checkpoint around all of them
+    tags the same ops for recomputation -- the backward re-gathers exactly what it did per
+    parameter -- at one region's cost."""
+    if not torch.compiler.is_compiling() or not all(_joinable(param, spec) for param, spec in pairs):
+        return None
+    return checkpoint(_gather_all, tuple(pairs), use_reentrant=False)
+
+
+def _joinable(param: DTensor, spec: GatherSpec) -> bool:
+    if not spec.reshard_after_forward or spec.tied_key is not None or spec.tp is not None:
+        return False
+    state = _accumulation(param, spec)
+    return state is None or (not state.deferring and spec.fqn not in state.pending)
+
+
+def _gather_all(pairs: tuple[tuple[DTensor, GatherSpec], ...]) -> tuple[torch.Tensor, ...]:
+    return tuple(_tagged_redistribute(param, spec, None) for param, spec in pairs)
 
 
 def reduce_deferred(param: DTensor, spec: GatherSpec, pending: torch.Tensor) -> None:

@@ -41,6 +41,8 @@ def _gathered_property(name: str) -> property:
     def get(self: nn.Module):
         param = self._parameters[name]
         if not isinstance(param, DTensor):
+            if not isinstance(param, nn.Parameter):  # the gathered value, put in by a region (`regions.py`)
+                return param
             owner = user_class(self).__name__
             raise TypeError(
                 f"parameter {name!r} of {owner} was replaced after simplefsdp.wrap() by a "

@@ -15,6 +15,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from simplefsdp import gloo
+from simplefsdp._compat import regions_supported
 from simplefsdp.accumulate import Accumulation, attach
 from simplefsdp.blocks import find_repeated_blocks, validate_patterns
 from simplefsdp.cached_params import repoint_caches, warn_about_cached_references, warn_about_eager_modules
@@ -36,6 +37,7 @@ from simplefsdp.parametrize import gather_on_access, is_wrapped_module
 from simplefsdp.passes.fsdp_pass import FsdpPass, PassConfig
 from simplefsdp.passes.install import attach_pass
 from simplefsdp.quantized_gather import QuantizedGather
+from simplefsdp.regions import install_regions
 from simplefsdp.replicated import broadcast_replicated
 from simplefsdp.strategy import ShardingStrategy
 from simplefsdp.tensor_parallel import TensorParallelLayout, check_tensor_parallel, shard_tensor_parallel
@@ -59,6 +61,7 @@ def wrap(
     reduce_op: ReduceOp = "avg",
     passes: PassConfig | None = PassConfig(),
     offload: OffloadPolicy | OffloadPlan | None = None,
+    compile_regions: bool = True,
 ) -> nn.Module:
     """Shard `model`'s floating-point parameters over `mesh`, in place, and return `model`.
 
@@ -79,6 +82,9 @@ def wrap(
         offload: what lives in host memory (`offload.py`): `OffloadPolicy()` keeps the sharded
             masters, their gradients and the optimizer state there; an `OffloadPlan` a tier per
             block (`offload_plan.py`); `None` keeps all on the device.
+        compile_regions: compile each repeated block's body once as a nested compile region
+            (`regions.py`): the first step's compile then barely grows with depth; the gathers
+            and reductions stay in the graph the passes see.
 
     After the call, for every floating-point parameter: `named_parameters()` and `state_dict()`
     yield it under its original name as an `nn.Parameter` holding a DTensor with the strategy's
@@ -124,6 +130,8 @@ def wrap(
     _log_upcast_masters(model, params)
     broadcast_replicated(model, mesh)
     _install_on_root(model, settings, passes=passes, has_tied=has_tied)
+    if compile_regions:
+        _install_regions(model, passes)
     logger.info(
         "simplefsdp.wrap: %d parameters (%.2fM elements) -> %s on %s, reshard_after_forward=%s, %s",
         len(params),
@@ -400,6 +408,19 @@ def _install_on_root(model: nn.Module, settings: _Settings, *, passes: PassConfi
     meshes = {p.device_mesh for p in model.parameters() if isinstance(p, DTensor)}
     attach_pass(model, make_pass(model, passes, settings.mesh), cache_key_meshes=meshes)
     setattr(model, _ROOT_ATTR, True)
+
+
+def _install_regions(model: nn.Module, passes: PassConfig | None) -> None:
+    if passes is not None and passes.bucket is not None and passes.bucket.plan == "auto":
+        # the auto plan prices each op of the traced graphs; a region's ops sit in its body
+        logger.info("simplefsdp: the auto bucket plan compiles every block (compile_regions off)")
+        return
+    if not regions_supported():
+        logger.warning(
+            "simplefsdp: torch %s has no reusable nested compile regions; compiling every block", torch.__version__
+        )
+        return
+    install_regions(model, find_repeated_blocks(model))
 
 
 def make_pass(model: nn.Module, passes: PassConfig | None, mesh: DeviceMesh) -> FsdpPass | None:

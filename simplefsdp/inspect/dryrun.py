@@ -256,8 +256,13 @@ def trace_depth(
     else:
         module, example = built_by(shape)
     _prepare(module, ac=settings.ac, tp_mesh=settings.tp_mesh)
-    simplefsdp.wrap(
-        module, settings.mesh, strategy=settings.strategy, mp_policy=settings.mp_policy, passes=settings.passes
+    simplefsdp.wrap(  # the cost model prices each op of the traced graphs: no region hides a block's ops
+        module,
+        settings.mesh,
+        strategy=settings.strategy,
+        mp_policy=settings.mp_policy,
+        passes=settings.passes,
+        compile_regions=False,
     )
     return inspect_model(module, example, device=settings.profile, optimizer=settings.optimizer, code=settings.code)
 
@@ -301,7 +306,7 @@ def full_depth_persistent(
     """Per-rank persistent memory of the full-depth `shape`, sharded as a trace shards it (on meta: free)."""
     full = shape.build()
     _prepare(full, ac="none", tp_mesh=tp_mesh)
-    simplefsdp.wrap(full, mesh, strategy=strategy, mp_policy=mp_policy, passes=None)
+    simplefsdp.wrap(full, mesh, strategy=strategy, mp_policy=mp_policy, passes=None, compile_regions=False)
     return persistent_bytes(full, optimizer=optimizer)
 
 

@@ -45,6 +45,8 @@ __all__ = ["GraphRecorder", "StepGraphs", "record_step", "recording"]
 class GraphRecorder(CustomGraphPass):
     """A post-grad pass that appends a copy of every graph it sees to `graphs` (and changes nothing)."""
 
+    skips_region_bodies = True  # a step's graphs only ([Note: the passes skip region bodies], install.py)
+
     def __init__(self, tag: str = "simplefsdp-recorder") -> None:
         self.tag = tag
         self.graphs: list[fx.Graph] = []

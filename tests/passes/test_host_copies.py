@@ -29,8 +29,12 @@ MATMULS = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.at
 
 def _trace(passes: simplefsdp.PassConfig | None) -> StepGraphs:
     torch.manual_seed(0)
-    model = simplefsdp.wrap(
-        Transformer(ARGS), init_device_mesh("cpu", (8,)), offload=simplefsdp.OffloadPolicy(), passes=passes
+    model = simplefsdp.wrap(  # the blocks' matmuls in the step's graph (no regions): the copies are placed around them
+        Transformer(ARGS),
+        init_device_mesh("cpu", (8,)),
+        offload=simplefsdp.OffloadPolicy(),
+        passes=passes,
+        compile_regions=False,
     )
     tokens = torch.randint(0, ARGS.vocab_size, (2, 8))
     return record_step(model, lambda compiled: compiled(tokens).sum(), backend="simplefsdp_aot_eager")

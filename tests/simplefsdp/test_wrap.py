@@ -308,12 +308,13 @@ def test_dtensor_programs_outside_simplefsdp_compiles_keep_torchs_cache_key(mesh
 
 
 def test_swapped_classes_say_what_they_add(mesh):
-    """`repr` and tracebacks name each class swap: gather on access, the compiler pass, checkpointing."""
+    """`repr` and tracebacks name each class swap: gather on access, the compiler pass, checkpointing,
+    the nested compile region."""
     model = Transformer(ARGS)
     simplefsdp.checkpoint_blocks(model)
     simplefsdp.wrap(model, mesh)
     assert type(model).__name__ == "PassOnCompile[Transformer]"
-    assert type(model.layers[0]).__name__ == "Checkpointed[Block]"
+    assert type(model.layers[0]).__name__ == "Region[Checkpointed[Block]]"
     assert type(model.layers[0].attention.wq).__name__ == "GatherOnAccess[Linear]"
     assert isinstance(model.layers[0].attention.wq, nn.Linear)
     assert repr(model).startswith("PassOnCompile[Transformer](")
