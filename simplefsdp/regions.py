@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import enum
 import functools
+import hashlib
 
 import torch
 from torch import nn
@@ -100,16 +101,21 @@ def has_regions(root: nn.Module) -> bool:
 @torch.compiler.disable
 def refresh_keys(root: nn.Module) -> None:
     """Compute each region block's key from its current state ([Note: what decides that two blocks
-    share one region]); run eagerly before each compiled call of `root`."""
+    share one region]); run eagerly before each compiled call of `root`.
+
+    The key is a digest of the state's `repr`, an object kept by identity standing for the order in
+    which the walk first met it: the same model built the same way gets the same keys in every
+    process (Dynamo guards the keys, and a guard saved by one process may be checked by another)."""
+    seen: dict[int, int] = {}
     for block in getattr(root, _ROOT_ATTR, ()):
-        object.__setattr__(block, _KEY_ATTR, _state_key(block))
+        object.__setattr__(block, _KEY_ATTR, _state_key(block, seen))
 
 
-def _state_key(block: nn.Module) -> int:
+def _state_key(block: nn.Module, seen: dict[int, int]) -> int:
     parts = []
     for name, module in block.named_modules():
         attrs = tuple(
-            (key, _value_key(value))
+            (key, _value_key(value, seen))
             for key, value in sorted(vars(module).items())
             if key not in ("_parameters", "_buffers", "_modules")
             and not key.startswith("_simplefsdp")  # simplefsdp's own state: read outside the region
@@ -117,23 +123,24 @@ def _state_key(block: nn.Module) -> int:
         )
         params = tuple(sorted(module._parameters))
         buffers = tuple(sorted(module._buffers))
-        parts.append((name, user_class(module), module.training, params, buffers, attrs))
-    return hash(tuple(parts))
+        parts.append((name, user_class(module).__qualname__, module.training, params, buffers, attrs))
+    digest = hashlib.blake2b(repr(parts).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little", signed=True)
 
 
-def _value_key(value: object) -> object:
+def _value_key(value: object, seen: dict[int, int]) -> object:
     """What of an attribute's value the key holds: plain values, and containers of them, by value;
     a dict by its string keys and values (hook dicts are keyed by handle numbers, which differ
     between blocks); anything else -- a function, a config object -- by identity."""
     if isinstance(value, _PLAIN):
         return value
     if isinstance(value, (tuple, list)):
-        return (type(value).__name__, *map(_value_key, value))
+        return (type(value).__name__, *(_value_key(v, seen) for v in value))
     if isinstance(value, (set, frozenset)):
-        return ("set", *sorted(map(repr, map(_value_key, value))))
+        return ("set", *sorted(repr(_value_key(v, seen)) for v in value))
     if isinstance(value, dict):
-        return ("dict", *((k if isinstance(k, str) else None, _value_key(v)) for k, v in value.items()))
-    return ("id", id(value))
+        return ("dict", *((k if isinstance(k, str) else None, _value_key(v, seen)) for k, v in value.items()))
+    return ("object", seen.setdefault(id(value), len(seen)))
 
 
 def _substituted(block: nn.Module) -> bool:
