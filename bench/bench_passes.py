@@ -6,6 +6,8 @@ Configurations, all FULL_SHARD under `torch.compile(model)` (inductor):
   (a) no passes         `wrap(..., passes=None)`: one all-gather / reduce-scatter per parameter
   (b) simplefsdp        `wrap(...)`: one bucket per block + rest, prefetch and early reductions
   (b') simplefsdp auto  the same with the cost-model plan for the "cpu-gloo" device profile
+  (b'') every block     (b) with `compile_regions=False`: every block traced and compiled, as
+                        before blocks became nested regions (`simplefsdp/regions.py`)
   (c) torch built-in    `wrap(..., passes=None)` compiled with inductor's own FX bucketing
                         (`bucket_all_gathers_fx="only_fsdp"`, `bucket_reduce_scatters_fx="all"`)
                         and `reorder_for_compute_comm_overlap=True`
@@ -47,6 +49,7 @@ NO_PASSES, TORCH_BUILTIN = "(a) no passes", "(c) torch built-in bucketing + reor
 CONFIGS = {
     NO_PASSES: ({"passes": None}, {}),
     "(b) simplefsdp passes, default plan": ({}, {}),
+    "(b'') simplefsdp passes, default plan, every block compiled": ({"compile_regions": False}, {}),
     "(b') simplefsdp passes, auto plan (cpu-gloo)": (
         {"passes": simplefsdp.PassConfig(bucket=simplefsdp.BucketConfig(plan="auto", device="cpu-gloo"))},
         {},
@@ -79,7 +82,7 @@ def _compile_config(name: str, args: argparse.Namespace) -> tuple[Callable[[], N
 
 def _save_code(directory: str, name: str, rank: int, code: list[str]) -> None:
     """Write one configuration's generated code, e.g. `DIR/b_rank0_forward.py`, for diffing across commits."""
-    tag = re.match(r"\((\w+'?)\)", name).group(1).replace("'", "_prime")
+    tag = re.match(r"\((\w+'*)\)", name).group(1).replace("'", "_prime")
     for phase, source in zip(("forward", "backward"), code, strict=True):
         (Path(directory) / f"{tag}_rank{rank}_{phase}.py").write_text(source)
 
