@@ -436,7 +436,9 @@ def eager_top_frame(fn: Callable) -> Callable:
 # directory is served from memory). torch._inductor.runtime.cache_dir_utils: checked on 2.13.
 # The compile counters Dynamo, AOTAutograd and inductor keep per process (`counters[stage][name]`,
 # e.g. inductor "fxgraph_cache_hit", aot_autograd "autograd_cache_miss", stats "unique_graphs").
-# torch._dynamo.utils.counters: checked on 2.13.
+# torch._dynamo.utils.counters: checked on 2.13. The seconds Dynamo's frame compiles took, the
+# compile backend's (AOTAutograd + inductor) included: `calculate_time_spent()` ->
+# {"entire_frame_compile": s, "backend_compile": s, ...} since the process started. Checked on 2.13.
 def inductor_cache_dir() -> str:
     """Torch's inductor cache directory as this process sees it now (created if missing)."""
     from torch._inductor.runtime.cache_dir_utils import cache_dir
@@ -456,6 +458,14 @@ def compile_counters() -> dict:
     from torch._dynamo.utils import counters
 
     return counters
+
+
+def compile_seconds() -> tuple[float, float]:
+    """(seconds in Dynamo's frame compiles, of which in the compile backend) since the process started."""
+    from torch._dynamo.utils import calculate_time_spent
+
+    spent = calculate_time_spent()
+    return spent.get("entire_frame_compile", 0.0), spent.get("backend_compile", 0.0)
 
 
 def major_minor(version: str) -> tuple[int, int]:

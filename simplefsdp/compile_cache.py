@@ -44,7 +44,7 @@ from typing import Any
 
 import torch
 
-from simplefsdp._compat import compile_counters, inductor_cache_dir, using_inductor_cache_dir
+from simplefsdp._compat import compile_counters, compile_seconds, inductor_cache_dir, using_inductor_cache_dir
 
 __all__ = [
     "MANIFEST",
@@ -152,24 +152,31 @@ def _read_manifest(path: Path) -> dict[str, Any] | None:
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class StageCounts:
     """Cache hits and misses per compile stage over a stretch of a run: inductor's FX graph cache and
-    AOTAutograd's cache (each compiled graph counts once), and the frames Dynamo traced (it has no cache)."""
+    AOTAutograd's cache (each compiled graph counts once), and the frames Dynamo traced (it has no
+    cache) with the seconds its tracing took (its frame compiles less the backend's: AOTAutograd
+    and inductor, loads from their caches included)."""
 
     fxgraph_hits: int = 0
     fxgraph_misses: int = 0
     autograd_hits: int = 0
     autograd_misses: int = 0
     dynamo_frames: int = 0
+    dynamo_s: float = 0.0
+    backend_s: float = 0.0
 
     @classmethod
     def now(cls) -> StageCounts:
         """The process's totals so far (torch counts from its start or its last counter reset)."""
         counters = compile_counters()
+        frames_s, backend_s = compile_seconds()
         return cls(
             fxgraph_hits=counters["inductor"]["fxgraph_cache_hit"],
             fxgraph_misses=counters["inductor"]["fxgraph_cache_miss"],
             autograd_hits=counters["aot_autograd"]["autograd_cache_hit"],
             autograd_misses=counters["aot_autograd"]["autograd_cache_miss"],
             dynamo_frames=counters["stats"]["unique_graphs"],
+            dynamo_s=frames_s - backend_s,
+            backend_s=backend_s,
         )
 
     def since(self, before: StageCounts) -> StageCounts:
@@ -178,7 +185,8 @@ class StageCounts:
     def line(self) -> str:
         return (
             f"inductor fxgraph {self.fxgraph_hits} hits / {self.fxgraph_misses} misses, aot_autograd "
-            f"{self.autograd_hits} hits / {self.autograd_misses} misses, dynamo traced {self.dynamo_frames} graphs"
+            f"{self.autograd_hits} hits / {self.autograd_misses} misses ({self.backend_s:.1f} s in the backend); "
+            f"dynamo traced {self.dynamo_frames} graphs ({self.dynamo_s:.1f} s)"
         )
 
 

@@ -81,9 +81,11 @@ def test_first_difference_and_counts():
     assert first_difference({"a": 1, "b": 2}, {"a": 1, "b": 2}) is None
     assert first_difference({"a": 1, "b": 3}, {"a": 1, "b": 2}) == "b: 3 there, 2 in this job"
     assert first_difference({"a": 1, "z": 0}, {"a": 1}) == "z: 0 there, absent in this job"
-    counts = StageCounts(fxgraph_hits=5, autograd_hits=2, dynamo_frames=1).since(StageCounts(fxgraph_hits=3))
+    now = StageCounts(fxgraph_hits=5, autograd_hits=2, dynamo_frames=1, dynamo_s=2.5, backend_s=4.0)
+    counts = now.since(StageCounts(fxgraph_hits=3, dynamo_s=1.0, backend_s=1.0))
     assert counts.line() == (
-        "inductor fxgraph 2 hits / 0 misses, aot_autograd 2 hits / 0 misses, dynamo traced 1 graphs"
+        "inductor fxgraph 2 hits / 0 misses, aot_autograd 2 hits / 0 misses (3.0 s in the backend); "
+        "dynamo traced 1 graphs (1.5 s)"
     )
 
 
