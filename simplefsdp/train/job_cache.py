@@ -90,6 +90,7 @@ def kept_summary(entry: CacheEntry) -> CommSummary:
 
 def _precompile_here(config: TrainConfig, entry: CacheEntry, world_size: int) -> str | None:
     """Run `simplefsdp precompile` for this job in a child process; None, or why it failed (one line)."""
+    logger.info("precompile: compiling the job in one process into %s; the ranks wait", entry.path)
     with tempfile.TemporaryDirectory(prefix="simplefsdp-precompile-") as folder:
         settings = os.path.join(folder, "config.toml")
         with open(settings, "w") as file:

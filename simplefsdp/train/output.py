@@ -1,9 +1,9 @@
 """What rank 0 of `simplefsdp train` shows and keeps: the progress bar, the start-up summary line and
 the run folder.
 
-    out = RunOutput(config, start=0, enabled=dist.get_rank() == 0)
+    out = RunOutput(config, start=0, enabled=dist.get_rank() == 0, compiling="compile (cold)")
     out.say(summary_line(config, parameters=n, mesh=(("dp", 2),), tokens_per_step=1024, start=0))
-    out.step({"step": 1, "loss": 4.2, "seconds": 9.1, "tokens_per_s": 112.5}, compiling=True)
+    out.step({"step": 1, "loss": 4.2, "seconds": 9.1, "tokens_per_s": 112.5}, compiling=True)  # "compile (cold)"
     out.finish({"start_step": 0, ...})   # the summary record, the loss curve
     out.close()
 
