@@ -148,7 +148,7 @@ def measure(
 
     compiled = torch.compile(lambda xs: torch.cat([x.to(bf16).reshape(-1) for x in xs]))
     times = _time(
-        lambda: torch.ops.simplefsdp.all_gather_copy_in(shards, chunks, bf16, world, 0),
+        lambda: torch.ops.simplefsdp.all_gather_copy_in(shards, chunks, bf16),
         fsdp2_copy_in,
         lambda: compiled(shards),
     )
@@ -187,10 +187,10 @@ def _measure_quantized(shards, chunks, world, time_fns) -> dict[str, tuple[int, 
     n_shard, n_full = sum(chunks), world * sum(chunks)
     results, sizes = {}, [world * c for c in chunks]
     for name, code in (("int8", torch.int8), ("fp8", torch.float8_e4m3fn)):
-        buf = quant_ops.QUANT_COPY_IN(shards, chunks, code, QUANT_BLOCK, world, 0)
-        gathered = buf.view(world, -1)[0].repeat(world)  # real codes and scales in every slot
+        slot = quant_ops.QUANT_COPY_IN(shards, chunks, code, QUANT_BLOCK)
+        gathered = slot.repeat(world)  # real codes and scales in every slot
         copy_in, copy_out = time_fns(
-            lambda code=code: quant_ops.QUANT_COPY_IN(shards, chunks, code, QUANT_BLOCK, world, 0),
+            lambda code=code: quant_ops.QUANT_COPY_IN(shards, chunks, code, QUANT_BLOCK),
             lambda code=code, gathered=gathered: quant_ops.QUANT_COPY_OUT(
                 gathered, chunks, sizes, [1] * len(chunks), world, code, QUANT_BLOCK, torch.bfloat16
             ),
@@ -247,7 +247,7 @@ def _kernel_variants(kind: str, chunks: list[int], world: int, device: str) -> t
 
     if kind == "pack":
         shards = list(bucket_src.split(chunks))
-        op = functools.partial(torch.ops.simplefsdp.all_gather_copy_in, shards, chunks, bf16, world, 0)
+        op = functools.partial(torch.ops.simplefsdp.all_gather_copy_in, shards, chunks, bf16)
         nbytes = n * (4 + 2)
     else:
         sizes = [world * c for c in chunks]

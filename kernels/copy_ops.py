@@ -5,7 +5,8 @@ Semantics: `reference.py`. Each op has a Triton implementation (one kernel launc
 CPU's, and any device's without Triton: one `cat` / `split` after per-parameter
 cast + pad, the same work as the unfused sequence it replaces) and a fake implementation, so the
 ops trace under torch.compile. Inputs are checked up front; a bad one raises a `ValueError`
-naming the argument and position.
+naming the argument and position. A fourth op, `rank_slot`, copies this rank's slot out of a
+buffer every rank reduced in place (gloo's reduce-scatter bucket): plain torch on every device.
 
 All-gather copy-out returns fresh tensors (not views): a parameter's full value spans every rank
 slot of the gathered buffer, `[world, bucket]` rows apart, so only a one-parameter bucket could be
@@ -17,7 +18,7 @@ this rank's reduced slot, in the reduction dtype, so the bucketing pass unpacks 
 cast back to the master dtype (mixed precision) stays the graph's own op, which inductor fuses with
 its consumers; a custom op there would read and write the same bytes and hide the cast from fusion.
 
-`ALL_GATHER_COPY_IN`, `ALL_GATHER_COPY_OUT` and `REDUCE_SCATTER_COPY_IN` are the ops' overloads as
+`ALL_GATHER_COPY_IN`, `ALL_GATHER_COPY_OUT`, `REDUCE_SCATTER_COPY_IN` and `RANK_SLOT` are the ops' overloads as
 they appear as FX node targets; importing this module is what registers them, so code that names
 them imports them from here (never `torch.ops.simplefsdp.*` at import time, which would depend on
 another module having registered them first).
@@ -34,17 +35,19 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from simplefsdp._compat import OpOverload, chunk_cat, foreach_copy_
+from simplefsdp._compat import OpOverload, chunk_cat, foreach_copy_, resolve_process_group
 from simplefsdp.kernels import reference
 
 __all__ = [
     "ALL_GATHER_COPY_IN",
     "ALL_GATHER_COPY_OUT",
     "FAKE_IMPLS",
+    "RANK_SLOT",
     "REDUCE_SCATTER_COPY_IN",
     "SUPPORTED_DTYPES",
     "all_gather_copy_in",
     "all_gather_copy_out",
+    "rank_slot",
     "reduce_scatter_copy_in",
     "split_shapes",
 ]
@@ -130,11 +133,9 @@ def _flat(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(-1)
 
 
-def _check_slot(shards: Sequence[torch.Tensor], chunks: Sequence[int], world: int, rank: int) -> None:
-    """An all-gather copy-in's slot: one chunk per shard, each shard within its chunk, `rank` in the world."""
+def _check_slot(shards: Sequence[torch.Tensor], chunks: Sequence[int]) -> None:
+    """An all-gather copy-in's slot: one chunk per shard, each shard within its chunk."""
     _check_chunks(chunks, len(shards))
-    if not 0 <= rank < world:
-        raise ValueError(f"rank {rank} is not in [0, world = {world})")
     for i, (s, c) in enumerate(zip(shards, chunks, strict=True)):
         if s.numel() > c:
             raise ValueError(f"shards[{i}] has {s.numel()} elements, more than its chunk of {c}")
@@ -208,34 +209,31 @@ def _register(schema: str, impl: Callable, fake: Callable) -> OpOverload:
 # --- all-gather copy-in -------------------------------------------------------------------------
 
 
-def _all_gather_copy_in(
-    shards: list[torch.Tensor], chunks: list[int], dtype: torch.dtype, world: int, rank: int
-) -> torch.Tensor:
-    """The `[world * bucket]` all-gather buffer with rank `rank`'s slot holding this rank's shards
-    (any shape and layout: read in logical order), cast to `dtype` and zero-padded to `chunks`; the other slots
-    are left unwritten (the in-place all-gather fills them)."""
+def _all_gather_copy_in(shards: list[torch.Tensor], chunks: list[int], dtype: torch.dtype) -> torch.Tensor:
+    """This rank's `[bucket]` all-gather slot, a new tensor: its shards (any shape and layout: read
+    in logical order), cast to `dtype`, each zero-padded to its chunk, concatenated
+    ([Note: no rank in the graph] in `passes/bucket.py`: the all-gather places it)."""
     _check_tensors("shards", shards)
     _check_dtype("dtype", dtype)
-    _check_slot(shards, chunks, world, rank)
+    _check_slot(shards, chunks)
     device = shards[0].device if shards else torch.device("cpu")
-    out = torch.empty(world * sum(chunks), dtype=dtype, device=device)
-    slot = out.narrow(0, rank * sum(chunks), sum(chunks))
+    slot = torch.empty(sum(chunks), dtype=dtype, device=device)
     if not shards or not _use_triton(shards[0]):
         _cpu_all_gather_copy_in(shards, chunks, slot)
-        return out
+        return slot
     from simplefsdp.kernels import triton_copy
 
     triton_copy.pack([_flat(s) for s in shards], list(chunks), slot, rows=1)
-    return out
+    return slot
 
 
-def _all_gather_copy_in_fake(shards, chunks, dtype, world, rank):
+def _all_gather_copy_in_fake(shards, chunks, dtype):
     device = shards[0].device if shards else torch.device("cpu")
-    return torch.empty(world * sum(chunks), dtype=dtype, device=device)
+    return torch.empty(sum(chunks), dtype=dtype, device=device)
 
 
 ALL_GATHER_COPY_IN = _register(
-    "all_gather_copy_in(Tensor[] shards, SymInt[] chunks, ScalarType dtype, SymInt world, SymInt rank) -> Tensor",
+    "all_gather_copy_in(Tensor[] shards, SymInt[] chunks, ScalarType dtype) -> Tensor",
     _all_gather_copy_in,
     _all_gather_copy_in_fake,
 )
@@ -307,10 +305,29 @@ REDUCE_SCATTER_COPY_IN = _register(
     _reduce_scatter_copy_in_fake,
 )
 
+# --- rank slot ---------------------------------------------------------------------------------
+
+
+def _rank_slot(buffer: torch.Tensor, group_name: str, n: int) -> torch.Tensor:
+    """A new `[n]` tensor: slot `rank` of the flat `buffer`, `rank` this process's rank in process group
+    `group_name`, read when the op runs ([Note: no rank in the graph] in `passes/bucket.py`)."""
+    rank = resolve_process_group(group_name).rank()
+    if n < 0 or buffer.dim() != 1 or buffer.numel() < (rank + 1) * n:
+        raise ValueError(f"buffer of shape {list(buffer.shape)} has no slot {rank} of {n} elements")
+    return buffer.narrow(0, rank * n, n).clone()
+
+
+def _rank_slot_fake(buffer, group_name, n):
+    return buffer.new_empty(n)
+
+
+RANK_SLOT = _register("rank_slot(Tensor buffer, str group_name, SymInt n) -> Tensor", _rank_slot, _rank_slot_fake)
+
 # the ops to call: `torch.ops.simplefsdp.<name>` (the packets dispatch to their one overload)
 all_gather_copy_in = torch.ops.simplefsdp.all_gather_copy_in
 all_gather_copy_out = torch.ops.simplefsdp.all_gather_copy_out
 reduce_scatter_copy_in = torch.ops.simplefsdp.reduce_scatter_copy_in
+rank_slot = torch.ops.simplefsdp.rank_slot
 
 # [Note: the copy ops' output metadata, directly]
 # The graph pass adds hundreds of these ops to a deep model's graph and needs each one's output
@@ -324,4 +341,5 @@ FAKE_IMPLS = {
     ALL_GATHER_COPY_IN: _all_gather_copy_in_fake,
     ALL_GATHER_COPY_OUT: _all_gather_copy_out_fake,
     REDUCE_SCATTER_COPY_IN: _reduce_scatter_copy_in_fake,
+    RANK_SLOT: _rank_slot_fake,
 }

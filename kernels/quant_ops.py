@@ -1,8 +1,7 @@
 """The quantized all-gather's two copy ops: `torch.ops.simplefsdp.quant_copy_in` / `quant_copy_out`.
 
-    buf  = quant_copy_in(shards, chunks, code_dtype, block, world, rank)   # uint8 [world * slot];
-                                                                            # slot `rank` written
-    full = quant_copy_out(wait(all_gather(buf's slot)), chunks, sizes, ndims, world,
+    slot = quant_copy_in(shards, chunks, code_dtype, block)                # uint8 [slot]: this rank's
+    full = quant_copy_out(wait(all_gather(slot)), chunks, sizes, ndims, world,
                           code_dtype, block, dtype)                         # each in its shape, in dtype
 
 The bytes are `quantize.py`'s (the specification, and the torch-ops implementation the CPU runs);
@@ -42,35 +41,29 @@ def _check_code_dtype(code_dtype: torch.dtype, block: int) -> None:
         raise ValueError(f"block must be a power of two, got {block}")
 
 
-def _quant_copy_in(
-    shards: list[torch.Tensor], chunks: list[int], code_dtype: torch.dtype, block: int, world: int, rank: int
-) -> torch.Tensor:
-    """The `[world * slot]` byte buffer with slot `rank` holding `shards` quantized (`quantize.py`);
-    the other slots are left unwritten (the in-place all-gather fills them)."""
+def _quant_copy_in(shards: list[torch.Tensor], chunks: list[int], code_dtype: torch.dtype, block: int) -> torch.Tensor:
+    """This rank's `[slot]` bytes, a new tensor: `shards` quantized (`quantize.py`); the all-gather
+    sends it ([Note: no rank in the graph] in `passes/bucket.py`)."""
     _check_tensors("shards", shards)
     _check_code_dtype(code_dtype, block)
-    _check_slot(shards, chunks, world, rank)
-    layout = quantize.slot_layout(chunks, block)
-    device = shards[0].device if shards else torch.device("cpu")
-    out = torch.empty(world * layout.nbytes, dtype=torch.uint8, device=device)
-    slot = out.narrow(0, rank * layout.nbytes, layout.nbytes)
+    _check_slot(shards, chunks)
     if not shards or not _use_triton(shards[0]):
-        slot.copy_(quantize.quantize_slot(shards, chunks, code_dtype, block))
-        return out
+        return quantize.quantize_slot(shards, chunks, code_dtype, block)
     from simplefsdp.kernels import triton_quant
 
+    layout = quantize.slot_layout(chunks, block)
+    slot = torch.empty(layout.nbytes, dtype=torch.uint8, device=shards[0].device)
     triton_quant.quantize_into([_flat(s) for s in shards], layout, slot, code_dtype)
-    return out
+    return slot
 
 
-def _quant_copy_in_fake(shards, chunks, code_dtype, block, world, rank):
+def _quant_copy_in_fake(shards, chunks, code_dtype, block):
     device = shards[0].device if shards else torch.device("cpu")
-    return torch.empty(world * quantize.slot_layout(chunks, block).nbytes, dtype=torch.uint8, device=device)
+    return torch.empty(quantize.slot_layout(chunks, block).nbytes, dtype=torch.uint8, device=device)
 
 
 QUANT_COPY_IN: OpOverload = _register(
-    "quant_copy_in(Tensor[] shards, SymInt[] chunks, ScalarType code_dtype, SymInt block, SymInt world, "
-    "SymInt rank) -> Tensor",
+    "quant_copy_in(Tensor[] shards, SymInt[] chunks, ScalarType code_dtype, SymInt block) -> Tensor",
     _quant_copy_in,
     _quant_copy_in_fake,
 )

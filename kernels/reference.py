@@ -4,11 +4,10 @@ Shapes, for a bucket of parameters `i` with `numel_i` elements in full and, on `
 `chunk_i = ceil(dim0_i / world) * (numel_i / dim0_i)` elements per rank (dim 0 padded to a
 multiple of `world`, as DTensor shards it):
 
-- `all_gather_copy_in(shards, chunks, dtype, world, rank)`: the all-gather buffer
-  `[world * sum(chunks)]` whose slot `rank` holds this rank's shards (each at most `chunk_i`
-  elements, fewer on ranks holding a short last shard), cast to `dtype`, zero-padded to `chunk_i`,
-  concatenated. The all-gather runs in place on it; the op leaves the other slots unwritten (the
-  reference zeroes them; tests compare the slot).
+- `all_gather_copy_in(shards, chunks, dtype)`: this rank's all-gather slot `[sum(chunks)]`: its
+  shards (each at most `chunk_i` elements, fewer on ranks holding a short last shard), cast to
+  `dtype`, zero-padded to `chunk_i`, concatenated. The all-gather sends it; where it lands in the
+  gathered buffer is the collective's business (no rank here).
 - `all_gather_copy_out(gathered, chunks, shapes, world)`: `[world * sum(chunks)]` (rank slots in
   order) -> each parameter's full value in `shapes[i]` (padding stripped; the op takes the shapes
   flattened, see `copy_ops.split_shapes`).
@@ -47,14 +46,9 @@ def cast(x: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.Tensor:
     return x.to(dtype, copy=True) if scale == 1.0 else (x.float() * scale).to(dtype)
 
 
-def all_gather_copy_in(
-    shards: Sequence[torch.Tensor], chunks: Sequence[int], dtype: torch.dtype, world: int, rank: int
-) -> torch.Tensor:
+def all_gather_copy_in(shards: Sequence[torch.Tensor], chunks: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
     pieces = [F.pad(s.reshape(-1).to(dtype), (0, c - s.numel())) for s, c in zip(shards, chunks, strict=True)]
-    out = torch.zeros(world, sum(chunks), dtype=dtype)
-    if pieces:
-        out[rank] = torch.cat(pieces)
-    return out.view(-1)
+    return torch.cat(pieces) if pieces else torch.empty(0, dtype=dtype)
 
 
 def all_gather_copy_out(

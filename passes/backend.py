@@ -7,7 +7,8 @@ all-reduces the clone, and copies this rank's chunk out (read off its allocation
 `c10d::reduce_scatter_tensor_coalesced_` besides its n / world output; a calibrated profile's
 `staging["reduce_scatter"]` is about 1.0, `staging["all_reduce"]` 0). The bucket's input is a buffer
 the pass made for this one collective (`reduce_scatter_copy_in`) and nothing reads after it, so on
-gloo the pass all-reduces that buffer in place (`all_reduce_`) and copies this rank's slot out:
+gloo the pass all-reduces that buffer in place (`all_reduce_`) and copies this rank's slot out
+(`rank_slot`, which finds the rank when it runs: [Note: no rank in the graph] in `bucket.py`):
 the same communication without the clone: the clone's world x N bytes are gone from the launch,
 where the backward's peak sits, and large buckets reduce faster (bench/results/measurements.md, "gloo reduce-scatter").
 Results are bitwise those of the reduce-scatter; the training tests compare the pass's results with

@@ -3,9 +3,8 @@
 All-gather bucket (members: this rank's shards `x_i`, before the cast to the gather dtype and the
 zero pad of a short last shard; `chunk_i` elements each once padded):
 
-    buf  = all_gather_copy_in([x_i ...], chunks, dtype, world, rank)  # [world * N]; cast + pad +
-                                                                       # concat into slot `rank`
-    out  = wait(all_gather_into_tensor_out(buf[rank * N : (rank + 1) * N], world, group, out=buf))
+    slot = all_gather_copy_in([x_i ...], chunks, dtype)                # [N]; cast + pad + concat
+    out  = wait(all_gather_into_tensor(slot, world, group))            # [world * N]
     full = all_gather_copy_out(out, chunks, sizes, ndims, world)       # each in the shape of the
                                                                        # member's wait result (the
                                                                        # shapes, flattened)
@@ -18,15 +17,25 @@ zero pad of dim 0 to a multiple of world):
     shards = split(out, chunks)                                    # each [chunk_i], views, reshaped
 
 On gloo the reduce-scatter is an in-place all-reduce of `flat` and a copy of this rank's slot
-(`passes/backend.py`). All-reduce buckets are the world-1 layout of the same ops. The copy ops are simplefsdp's custom
+(`passes/backend.py`): `out = rank_slot(wait(all_reduce_(flat, op, group)), group, N)`. All-reduce
+buckets are the world-1 layout of the same ops. The copy ops are simplefsdp's custom
 ops (`kernels/`: Triton on GPU, torch on CPU); they only move, cast and pad, exactly as the
 nodes they replace did, so results are bitwise equal to the unbucketed graph and bytes on the wire
-are the members' sum. The all-gather runs in place on the buffer the copy-in wrote this rank's slot
-of (no separate send buffer, no copy of it into the output; on gloo the in-place out-variant is
-also the fast path, see `bench/`). The merged collective is placed where the bucket's first all-gather (last
+are the members' sum. The merged collective is placed where the bucket's first all-gather (last
 reduce-scatter) was, unless a member's input depends on another member's result (merging would
 form a cycle: the bucket is left as it is); a stable topological sort then moves what depends on it
 after it.
+
+[Note: no rank in the graph]
+The pass's output holds no rank index, so ranks whose incoming graphs are equal (even shards on a
+1-D mesh) compile one graph and can share one compiled artifact (`FsdpPass.uuid`). Where a rank's
+slot matters the collective or an op finds it when it runs: the all-gather sends the copy-in's
+`[N]` slot and places it in its `[world * N]` output itself (out of place: the slot is the send
+buffer, the output a second buffer), and gloo's in-place all-reduce is followed by `rank_slot`,
+which reads the rank from the group name. The copy-in ops take no rank. The cost against writing
+the slot into the output and gathering in place (`all_gather_into_tensor_out` on a view of its
+own output, which needs the slot's offset in the graph): one `[N]` buffer more per bucket while
+the gather is in flight; time measured in bench/results/measurements.md, "out-of-place gathers".
 """
 
 from __future__ import annotations
@@ -39,16 +48,16 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import fx
 
-from simplefsdp._compat import c10d_functional, resolve_process_group, stable_topological_sort, tree_leaves
+from simplefsdp._compat import c10d_functional, stable_topological_sort, tree_leaves
 from simplefsdp.kernels.copy_ops import (
     ALL_GATHER_COPY_IN,
     ALL_GATHER_COPY_OUT,
     FAKE_IMPLS,
+    RANK_SLOT,
     REDUCE_SCATTER_COPY_IN,
     SUPPORTED_DTYPES,
 )
 from simplefsdp.kernels.quant_ops import QUANT_COPY_IN, QUANT_COPY_OUT, QUANT_FAKE_IMPLS
-from simplefsdp.kernels.quantize import slot_layout
 from simplefsdp.kernels.reference import chunk_numel
 from simplefsdp.passes.backend import reduces_in_place
 from simplefsdp.passes.collectives import Collective, is_cast_or_pad
@@ -237,11 +246,9 @@ def _merge_all_gathers(graph: fx.Graph, members: list[FsdpAllGather]) -> tuple[l
     # [Note: rank-independent placement] A rank holding a smaller shard of an uneven parameter pads
     # it before gathering; that pad sits wherever the parameter is first used. The copy-in op pads
     # (and casts) itself, reading the graph inputs directly, so the merged collective depends only
-    # on graph inputs and lands at the same place on every rank.
-    # The rank only sets where this rank's slot starts in the buffer (a constant of the graph): the
-    # graph's structure, and so every ordering decision, is the same on every rank.
+    # on graph inputs and lands at the same place on every rank: the graph's structure, and so
+    # every ordering decision, is the same on every rank.
     world, group = members[0].group_size, members[0].group_name
-    rank = resolve_process_group(group).rank()
     sent = [m.sent for m in members]
     chunks = [math.prod(_shape(x)) for x in sent]
     dtype = sent[0].meta["val"].dtype
@@ -254,9 +261,8 @@ def _merge_all_gathers(graph: fx.Graph, members: list[FsdpAllGather]) -> tuple[l
                 members[0].launch.prepend(node)
     with graph.inserting_before(members[0].launch):
         shards = [_contiguous(graph, src) for src, _ in chains]  # the copy-in reads them flat
-        buffer = _call(graph, ALL_GATHER_COPY_IN, shards, chunks, dtype, world, rank)
-        slot = _call(graph, aten.narrow.default, buffer, 0, rank * sum(chunks), sum(chunks))
-        gathered = _call(graph, c10d_functional.all_gather_into_tensor_out.default, slot, world, group, out=buffer)
+        slot = _call(graph, ALL_GATHER_COPY_IN, shards, chunks, dtype)
+        gathered = _call(graph, c10d_functional.all_gather_into_tensor.default, slot, world, group)
         waited = _call(graph, c10d_functional.wait_tensor.default, gathered)
         # each output in its member's shape (the padded full tensor; the graph strips padding after)
         shapes = [_shape(member.wait) for member in members]
@@ -273,20 +279,17 @@ def _merge_quantized_gathers(graph: fx.Graph, members: list[FsdpAllGather]) -> t
     contributes are the same codes and scales (blocks start at each member's chunk), so the merged
     bucket dequantizes to exactly the unmerged values."""
     world, group = members[0].group_size, members[0].group_name
-    rank = resolve_process_group(group).rank()
     shards = [m.quantize.args[0][0] for m in members]
     chunks = [m.quantize.args[1][0] for m in members]
-    _, _, code_dtype, block, _, _ = members[0].quantize.args
+    _, _, code_dtype, block = members[0].quantize.args
     *_, dtype = members[0].dequantize.args
-    nbytes = slot_layout(chunks, block).nbytes
     for member in members:  # as for plain members: an offloaded shard's host copy moves first
         for node in member.host_copy:
             if node > members[0].launch:
                 members[0].launch.prepend(node)
     with graph.inserting_before(members[0].launch):
-        buffer = _call(graph, QUANT_COPY_IN, shards, chunks, code_dtype, block, world, rank)
-        slot = _call(graph, aten.narrow.default, buffer, 0, rank * nbytes, nbytes)
-        gathered = _call(graph, c10d_functional.all_gather_into_tensor_out.default, slot, world, group, out=buffer)
+        slot = _call(graph, QUANT_COPY_IN, shards, chunks, code_dtype, block)
+        gathered = _call(graph, c10d_functional.all_gather_into_tensor.default, slot, world, group)
         waited = _call(graph, c10d_functional.wait_tensor.default, gathered)
         sizes = [d for m in members for d in m.dequantize.args[2]]
         ndims = [n for m in members for n in m.dequantize.args[3]]
@@ -319,9 +322,7 @@ def _merge_reductions(graph: fx.Graph, members: list[Collective]) -> tuple[list[
         chunks = [math.prod(_shape(x)) // (world if scatter else 1) for x in sent]
         waited = _call(graph, c10d_functional.wait_tensor.default, reduced)
         if in_place:  # this rank's slot, copied: the shards must not keep the whole buffer alive
-            rank = resolve_process_group(group).rank()
-            slot = _call(graph, aten.narrow.default, waited, 0, rank * sum(chunks), sum(chunks))
-            waited = _call(graph, aten.clone.default, slot)
+            waited = _call(graph, RANK_SLOT, waited, group, sum(chunks))
         # each shard is a contiguous run of the reduced slot, in the same dtype: views, no copy-out
         # (the cast back to the master dtype stays where the graph has it)
         pieces = _call(graph, aten.split_with_sizes.default, waited, chunks)

@@ -28,7 +28,7 @@ from torch import fx
 
 from simplefsdp._compat import OpOverload, OpOverloadPacket, c10d_functional, resolve_process_group
 from simplefsdp.gather import OWNER_KEY
-from simplefsdp.kernels.copy_ops import ALL_GATHER_COPY_IN, ALL_GATHER_COPY_OUT, REDUCE_SCATTER_COPY_IN
+from simplefsdp.kernels.copy_ops import ALL_GATHER_COPY_IN, ALL_GATHER_COPY_OUT, RANK_SLOT, REDUCE_SCATTER_COPY_IN
 from simplefsdp.kernels.host_copy import COPY_START, COPY_WAIT
 from simplefsdp.kernels.quant_ops import QUANT_COPY_IN, QUANT_COPY_OUT
 from simplefsdp.passes.walk import reaches
@@ -291,6 +291,7 @@ _PASSTHROUGH_TARGETS = {
     REDUCE_SCATTER_COPY_IN,
     QUANT_COPY_IN,
     QUANT_COPY_OUT,
+    RANK_SLOT,
     # an offloaded shard's copy to the device and its gradient's copy back (kernels/host_copy.py)
     COPY_START,
     COPY_WAIT,

@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import Literal
 
 import torch
-import torch.distributed as dist
 from torch import fx
 
 from simplefsdp._compat import CustomGraphPass
@@ -182,19 +181,15 @@ class FsdpPass(CustomGraphPass):
             )
 
     def uuid(self) -> str:
-        # [Note: the rank is part of the cache key]
+        # [Note: the rank is not part of the cache key]
         # Inductor keys its FX graph cache on the graph *before* post-grad passes, plus this uuid.
-        # The pass writes this rank's slot offset into the graph (the bucket copy-in and the view
-        # the in-place all-gather sends), so two ranks whose incoming graphs are identical (even
-        # shards, one group) would otherwise share a cache entry: on a warm cache shared by the
-        # ranks of a host, rank 1 would run rank 0's code and send a buffer that overlaps the
-        # wrong slot of the output. The global rank separates them; everything else in the key is
-        # what the pass does. (On torch 2.13 the FX cache key of these graphs already differs
-        # between two processes of the same rank -- an identical second compile misses -- so the
-        # entry reused is AOTAutograd's, keyed per rank by [Note: per-rank AOTAutograd cache keys
-        # for DTensor inputs]; the rank here keeps ranks apart should the FX key become stable.)
+        # The pass writes no rank into the graph ([Note: no rank in the graph] in `bucket.py`): its
+        # output is a function of its input graph and of what this key holds, so two ranks whose
+        # incoming graphs are identical (even shards on a 1-D mesh) may share a cache entry, and
+        # one compiled artifact serves them all. Ranks whose graphs differ (an uneven shard's local
+        # shape, a 2-D mesh's group names) differ before the pass already, in the FX graph and in
+        # the AOTAutograd key ([Note: per-rank AOTAutograd cache keys for DTensor inputs]).
         groups = sorted(self.groups) if self.groups is not None else None
-        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else None
         profile = None  # a profile file's numbers, not just its path, decide the auto plan
         if self.config.bucket is not None and self.config.bucket.plan == "auto":
             profile = cost.profile(self.config.bucket.device)
@@ -207,7 +202,7 @@ class FsdpPass(CustomGraphPass):
         # the backend decides how a reduce-scatter bucket is issued ([Note: gloo's reduce-scatter is an
         # all-reduce of a copy]); the groups' backends are the default group's in every use here
         backend = cache_tag()
-        key = f"simplefsdp-pass-{code_fingerprint()}-{self.config}-{profile}-{groups}-rank{rank}-{backend}"
+        key = f"simplefsdp-pass-{code_fingerprint()}-{self.config}-{profile}-{groups}-{backend}"
         return hashlib.sha256(key.encode()).hexdigest()
 
 

@@ -389,7 +389,7 @@ def _compiling_class(cls: type[nn.Module], pass_key: str | None) -> type[nn.Modu
 
 def attach_pass(model: nn.Module, graph_pass: FsdpPass | None, *, cache_key_meshes: Iterable[object] = ()) -> None:
     """Attach `graph_pass` to the wrapped root `model` so its compiles run it (None: passes off), and
-    give the DTensors on `cache_key_meshes` per-rank compile-cache keys while it compiles."""
+    give the DTensors on `cache_key_meshes` rank-aware compile-cache keys while it compiles."""
     setattr(model, _PASS_ATTR, graph_pass)
     setattr(model, _MESHES_ATTR, tuple(cache_key_meshes))
     model.__class__ = _compiling_class(type(model), None if graph_pass is None else graph_pass.uuid())

@@ -494,16 +494,24 @@ def init_fake_process_group(*, rank: int, world_size: int) -> None:
 # torch 2.13 (and, per the torch issue, earlier releases) keys the AOTAutograd cache entry of a
 # DTensor input by `DTensor._stable_hash_for_caching`, which hashes the DTensorSpec (mesh,
 # placements, *global* shape) only (pytorch/pytorch#188390). Ranks that share a cache directory
-# (every rank of a node does by default) then share entries although their traced graphs differ: an
-# uneven shard has a rank-dependent local shape, and on a 2-D mesh the process-group names baked
-# into the graph differ by rank. Observed on 2.13 with gloo: on a warm cache one rank loaded
-# another's graph and failed a size assert, another could not resolve a group name, a third hung in
-# a collective.
-# The fix appends what the spec leaves out -- this rank's local shape and stride, its mesh
-# coordinate and the group names of the mesh dims (`rank_aware_cache_key`, the one place that says
-# what goes into the key) -- so ranks whose graphs can differ get different keys and ranks whose
-# graphs are identical still share. It only ever makes keys more specific (never a wrong hit where
-# torch had none).
+# (every rank of a node does by default) then share entries although their traced graphs can differ.
+# Observed on 2.13 with gloo: on a warm cache one rank loaded another's graph and failed a size
+# assert, another could not resolve a group name, a third hung in a collective.
+# The fix appends what the spec leaves out (`rank_aware_cache_key`, the one place that says what
+# goes into the key): this rank's local shape and stride and the group names of the mesh dims
+# always, and its mesh coordinate where the traced graph can depend on it. Which graphs that is:
+# - shared by every rank: a DTensor evenly sharded on a 1-D mesh (each `Shard(d)` dim's global size
+#   a multiple of the mesh size; `Replicate` trivially). Its local shape is the same on every rank,
+#   DTensor's gather and reduce-scatter of it name the one group and no offset, and the pass adds
+#   no rank ([Note: no rank in the graph] in `passes/bucket.py`); an offloaded shard's host copies
+#   copy the same shapes. The key is then the same on every rank: one entry, one compiled artifact.
+# - per rank: an uneven shard (a rank's local shape, and with it the pad before its gather, the
+#   uneven gradient's fold in `passes/uneven.py` and any global offset DTensor computes, depend on
+#   the rank; ranks with equal local shapes would do, the coordinate keeps it simple and sure), and
+#   any DTensor on a mesh of two or more dims -- HYBRID's `(replicate, shard)` mesh, whose group
+#   names in the graph differ by rank, and tensor parallelism's combined `(dp, tp)` mesh, where TP's
+#   own ops can bake this rank's coordinate into the graph (a row-sharded embedding's mask offset).
+# It only ever makes keys more specific than torch's (never a wrong hit where torch had none).
 # Where it applies: only inside `rank_aware_cache_keys(meshes)`, which a wrapped model enters while
 # it compiles (`passes/install.py`: its forward, or `compile_scope(model)` around a larger compiled
 # function), and only to DTensors on those meshes, hashed on the thread (context) that entered it.
@@ -525,17 +533,33 @@ _torch_stable_hash: Callable[..., str] | None = None  # torch's own method while
 
 def rank_aware_cache_key(dtensor, own: str) -> str:
     """The AOTAutograd cache key of `dtensor` in a wrapped model's compile: torch's own key `own`
-    with what makes this rank's graph differ from another's (see the Note)."""
+    with what makes this rank's graph differ from another's (see the Note): the same on every rank
+    for an even shard on a 1-D mesh, this rank's own otherwise."""
     import hashlib
 
     mesh, local = dtensor.device_mesh, dtensor._local_tensor
+    coordinate = tuple(mesh.get_coordinate() or ()) if _graph_depends_on_rank(dtensor) else ()
     extra = (
         tuple(local.shape),
         tuple(local.stride()),
-        tuple(mesh.get_coordinate() or ()),
+        coordinate,
         tuple(mesh.get_group(dim).group_name for dim in range(mesh.ndim)),
     )
     return hashlib.blake2b((own + repr(extra)).encode(), digest_size=16).hexdigest()
+
+
+def _graph_depends_on_rank(dtensor) -> bool:
+    """Whether a graph traced from `dtensor` can differ by rank: a mesh of two or more dims, or a
+    `Shard` dim whose global size the mesh dim does not divide ([Note: per-rank AOTAutograd cache
+    keys for DTensor inputs])."""
+    from torch.distributed.tensor import Shard
+
+    mesh = dtensor.device_mesh
+    if mesh.ndim > 1:
+        return True
+    return any(
+        isinstance(p, Shard) and dtensor.shape[p.dim] % mesh.size(i) != 0 for i, p in enumerate(dtensor.placements)
+    )
 
 
 def _scoped_stable_hash(self) -> str:

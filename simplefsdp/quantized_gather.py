@@ -120,7 +120,7 @@ class _QuantizedGatherFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, local: torch.Tensor, layout: _Layout) -> torch.Tensor:
         ctx.layout, ctx.local_rows = layout, local.shape[0]
-        slot = QUANT_COPY_IN([local], [layout.chunk], layout.code_dtype, layout.block, 1, 0)
+        slot = QUANT_COPY_IN([local], [layout.chunk], layout.code_dtype, layout.block)
         gathered = c10d_functional.wait_tensor(c10d_functional.all_gather_into_tensor(slot, layout.world, layout.group))
         shape = list(layout.shape)
         return QUANT_COPY_OUT(

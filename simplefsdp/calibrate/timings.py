@@ -300,7 +300,7 @@ _COPY_CALL_NUMEL = 8  # elements per member: the call's own cost, not its bytes
 def _copy_calls(device: torch.device, plan: _Plan) -> dict[str, list[tuple[int, float]]]:
     """Per bucket copy op and member count: seconds until a call on tiny members returns (for a
     GPU kernel: its launch, not its run), agreed over the ranks."""
-    world, rank, n = dist.get_world_size(), dist.get_rank(), _COPY_CALL_NUMEL
+    world, n = dist.get_world_size(), _COPY_CALL_NUMEL
     calls = {}
     for members in _COPY_CALL_MEMBERS:
         shards = [torch.ones(n, device=device) for _ in range(members)]
@@ -308,7 +308,7 @@ def _copy_calls(device: torch.device, plan: _Plan) -> dict[str, list[tuple[int, 
         grads = [torch.ones(world * n, device=device) for _ in range(members)]
         chunks, sizes, ndims = [n] * members, [world * n] * members, [1] * members
         calls[members] = {
-            "all_gather_copy_in": functools.partial(ALL_GATHER_COPY_IN, shards, chunks, torch.float32, world, rank),
+            "all_gather_copy_in": functools.partial(ALL_GATHER_COPY_IN, shards, chunks, torch.float32),
             "all_gather_copy_out": functools.partial(ALL_GATHER_COPY_OUT, gathered, chunks, sizes, ndims, world),
             "reduce_scatter_copy_in": functools.partial(REDUCE_SCATTER_COPY_IN, grads, world, torch.float32, 1.0),
         }

@@ -2,7 +2,7 @@
 
 Mirrors `tests/simplefsdp/test_graphs.py` and `tests/passes/test_bucketing.py` (the same step traced
 on the CPU): here inductor compiles it for the GPU, the bucketed graph's copies run the Triton kernel
-and the in-place `all_gather_into_tensor_out` runs on CUDA tensors. The fake group moves no data,
+and the merged all-gather runs on CUDA tensors. The fake group moves no data,
 so the values are not checked here (`test_cuda_nccl.py` does, at world 1), only that the step runs
 end to end and what its graphs hold.
 """
@@ -49,7 +49,7 @@ def test_compiled_step_on_cuda_world8_runs_the_bucketed_kernels(fake_world8, mon
 
     forward, backward = _targets(graphs.forward), _targets(graphs.backward)
     assert copy_ops.ALL_GATHER_COPY_IN in forward
-    assert c10d_functional.all_gather_into_tensor_out.default in forward
+    assert c10d_functional.all_gather_into_tensor.default in forward
     assert copy_ops.ALL_GATHER_COPY_OUT in forward
     assert copy_ops.REDUCE_SCATTER_COPY_IN in backward
     assert launches, "the copies ran the Triton kernel"

@@ -4,8 +4,7 @@ Mirrors `tests/simplefsdp/test_training.py` (parity on gloo), `test_compose.py` 
 `tests/train/test_train.py` (the command on CPU ranks). NCCL refuses two ranks on one GPU, so one
 rank. At world 1 DTensor issues no collective (a one-rank redistribution is a no-op: checked on the
 CPU with gloo, the compiled graphs hold none), so the parity here is of the CUDA compute; the
-bucketed graphs with their Triton copies and in-place all-gather run in `test_cuda_fake_world.py`,
-and the in-place all-gather op itself runs on NCCL below.
+bucketed graphs with their Triton copies and merged all-gather run in `test_cuda_fake_world.py`.
 """
 
 from __future__ import annotations
@@ -20,7 +19,6 @@ import torch
 import torch.distributed as dist
 
 import simplefsdp
-from simplefsdp._compat import c10d_functional
 from simplefsdp.models import Transformer
 from tests.gpu import CUDA_ONLY
 from tests.simplefsdp import _training as training
@@ -104,18 +102,6 @@ def test_compiled_training_matches_fsdp2(nccl_world1):
     initial = training.full_params(_model())
     unmoved = [fqn for fqn in got if torch.equal(got[fqn], initial[fqn])]
     assert not unmoved, f"training left {unmoved} where they started"
-
-
-def test_in_place_all_gather_on_nccl(nccl_world1):
-    """`all_gather_into_tensor_out` with its input a slot of its output (what the bucketing pass
-    emits, `passes/bucket.py`), on NCCL: the buffer holds the gathered slots afterwards."""
-    buffer = torch.full((4096,), float("nan"), device="cuda", dtype=torch.bfloat16)
-    slot = buffer[:4096]  # rank 0's slot of a one-rank world
-    slot.copy_(torch.arange(4096, device="cuda", dtype=torch.bfloat16))
-    out = c10d_functional.all_gather_into_tensor_out.default(slot, 1, dist.group.WORLD.group_name, out=buffer)
-    out = c10d_functional.wait_tensor.default(out)
-    assert out.data_ptr() == buffer.data_ptr()
-    assert torch.equal(buffer, torch.arange(4096, device="cuda", dtype=torch.bfloat16))
 
 
 def test_meta_init_materializes_on_cuda(nccl_world1):

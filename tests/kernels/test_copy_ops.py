@@ -79,10 +79,8 @@ def test_all_gather_round_trip_over_all_ranks(bucket):
     fulls = _params(shapes, src, seed)
     chunks = _chunks(shapes, world)
     copy_in = torch.ops.simplefsdp.all_gather_copy_in
-    # what an in-place all-gather does: every rank's slot from that rank's copy-in
-    gathered = torch.cat(
-        [_slot(copy_in([_shard(f, world, r) for f in fulls], chunks, dst, world, r), world, r) for r in range(world)]
-    )
+    # what the all-gather does: every rank's slot from that rank's copy-in, in rank order
+    gathered = torch.cat([copy_in([_shard(f, world, r) for f in fulls], chunks, dst) for r in range(world)])
     gathered = _layout(gathered, seed)  # the gathered buffer too may arrive strided
     outs = torch.ops.simplefsdp.all_gather_copy_out(gathered, chunks, *_flat([f.shape for f in fulls]), world)
     for out, full in zip(outs, fulls, strict=True):
@@ -91,9 +89,9 @@ def test_all_gather_round_trip_over_all_ranks(bucket):
     # the CPU implementations against the specification, piece by piece
     rank = world - 1
     shards = [_shard(f, world, rank) for f in fulls]
-    want = reference.all_gather_copy_in(shards, chunks, dst, world, rank)
-    assert torch.equal(_slot(copy_in(shards, chunks, dst, world, rank), world, rank), _slot(want, world, rank))
-    assert copy_in(shards, chunks, dst, world, rank).shape == want.shape == (world * sum(chunks),)
+    want = reference.all_gather_copy_in(shards, chunks, dst)
+    assert torch.equal(copy_in(shards, chunks, dst), want)
+    assert want.shape == (sum(chunks),), "this rank's slot only"
     for got, want in zip(outs, reference.all_gather_copy_out(gathered, chunks, shapes, world), strict=True):
         assert torch.equal(got, want)
 
@@ -121,17 +119,12 @@ def _flat(shapes) -> tuple[list[int], list[int]]:
     return [d for shape in shapes for d in shape], [len(shape) for shape in shapes]
 
 
-def _slot(buffer: torch.Tensor, world: int, rank: int) -> torch.Tensor:
-    """Rank `rank`'s slot of a flat `[world * bucket]` all-gather buffer (the part copy-in writes)."""
-    return buffer.view(world, -1)[rank]
-
-
 def test_bad_inputs_are_named():
     x = torch.randn(4, 4)
     with pytest.raises(ValueError, match=r"shards\[1\] has dtype torch.int64"):
-        torch.ops.simplefsdp.all_gather_copy_in([x, torch.ones(3, dtype=torch.long)], [16, 3], torch.bfloat16, 1, 0)
+        torch.ops.simplefsdp.all_gather_copy_in([x, torch.ones(3, dtype=torch.long)], [16, 3], torch.bfloat16)
     with pytest.raises(ValueError, match=r"shards\[0\] has 16 elements, more than its chunk of 8"):
-        torch.ops.simplefsdp.all_gather_copy_in([x], [8], torch.bfloat16, 1, 0)
+        torch.ops.simplefsdp.all_gather_copy_in([x], [8], torch.bfloat16)
     with pytest.raises(ValueError, match="gathered has 16 elements; world 2 x bucket 4 expected"):
         torch.ops.simplefsdp.all_gather_copy_out(x.reshape(-1), [4], [8], [1], 2)
     with pytest.raises(ValueError, match=r"shape \[3, 3\] of output 0 does not fit 2 chunks of 4"):
@@ -139,9 +132,7 @@ def test_bad_inputs_are_named():
     with pytest.raises(ValueError, match=r"ndims \[2\] do not split the 1 sizes"):
         torch.ops.simplefsdp.all_gather_copy_out(torch.randn(8), [4], [8], [2], 2)
     with pytest.raises(ValueError, match="got 2 chunk sizes for 1 tensors"):
-        torch.ops.simplefsdp.all_gather_copy_in([x], [16, 1], torch.float32, 1, 0)
-    with pytest.raises(ValueError, match=r"rank 2 is not in \[0, world = 2\)"):
-        torch.ops.simplefsdp.all_gather_copy_in([x], [16], torch.float32, 2, 2)
+        torch.ops.simplefsdp.all_gather_copy_in([x], [16, 1], torch.float32)
     leaf = torch.randn(4, 4, requires_grad=True)
     with pytest.raises(ValueError, match=r"grads\[0\] requires grad: the copy ops have no derivative"):
         torch.ops.simplefsdp.reduce_scatter_copy_in([leaf], 2, torch.float32, 1.0)
@@ -152,7 +143,7 @@ def test_bad_inputs_are_named():
 def test_ops_trace_under_compile():
     @torch.compile(backend="aot_eager", fullgraph=True)
     def step(a, b):
-        flat = torch.ops.simplefsdp.all_gather_copy_in([a, b], [12, 4], torch.bfloat16, 1, 0)
+        flat = torch.ops.simplefsdp.all_gather_copy_in([a, b], [12, 4], torch.bfloat16)
         return torch.ops.simplefsdp.all_gather_copy_out(flat, [12, 4], [3, 4, 3], [2, 1], 1)
 
     a, b = torch.randn(3, 4), torch.randn(3)
@@ -181,10 +172,7 @@ def test_channels_last_convolution_weights(dtype):
     assert not shards[0].is_contiguous()
     plain = [s.contiguous() for s in shards]
     copy_in = torch.ops.simplefsdp.all_gather_copy_in
-    assert torch.equal(
-        _slot(copy_in(shards, chunks, dtype, world, rank), world, rank),
-        _slot(copy_in(plain, chunks, dtype, world, rank), world, rank),
-    )
+    assert torch.equal(copy_in(shards, chunks, dtype), copy_in(plain, chunks, dtype))
     rs = torch.ops.simplefsdp.reduce_scatter_copy_in
     assert torch.equal(rs(fulls, world, dtype, 0.5), rs([f.contiguous() for f in fulls], world, dtype, 0.5))
     assert torch.equal(rs(fulls, world, dtype, 0.5), reference.reduce_scatter_copy_in(fulls, world, dtype, 0.5))
@@ -237,15 +225,11 @@ def _check_triton_against_reference(triton_device, bucket, scale) -> None:
     chunks = _chunks(shapes, world)
     shards = [_shard(f, world, rank) for f in fulls]
     on = [t.to(triton_device) for t in shards]
-    got = torch.ops.simplefsdp.all_gather_copy_in(on, chunks, dst, world, rank).cpu()
-    want = reference.all_gather_copy_in(shards, chunks, dst, world, rank)
-    _close_or_one_ulp(_slot(got, world, rank), _slot(want, world, rank), interpreter)
+    got = torch.ops.simplefsdp.all_gather_copy_in(on, chunks, dst).cpu()
+    _close_or_one_ulp(got, reference.all_gather_copy_in(shards, chunks, dst), interpreter)
 
     gathered = torch.cat(
-        [
-            _slot(reference.all_gather_copy_in([_shard(f, world, r) for f in fulls], chunks, src, world, r), world, r)
-            for r in range(world)
-        ]
+        [reference.all_gather_copy_in([_shard(f, world, r) for f in fulls], chunks, src) for r in range(world)]
     )
     got = torch.ops.simplefsdp.all_gather_copy_out(gathered.to(triton_device), chunks, *_flat(shapes), world)
     for g, e in zip(got, reference.all_gather_copy_out(gathered, chunks, shapes, world), strict=True):
@@ -287,8 +271,7 @@ def test_triton_table_cache_reuses_only_identical_tables(triton_device):
 
     def check(dst):
         triton_copy.pack([t.view(-1) for t in shards], chunks, dst, rows=1)
-        want = reference.all_gather_copy_in([t.cpu() for t in shards], chunks, torch.bfloat16, world, rank)
-        assert torch.equal(dst.cpu(), _slot(want, world, rank))
+        assert torch.equal(dst.cpu(), reference.all_gather_copy_in([t.cpu() for t in shards], chunks, torch.bfloat16))
 
     check(out)
     sent = len(triton_copy._tables)
@@ -334,6 +317,7 @@ def test_fake_impls_match_what_the_dispatcher_returns():
         ALL_GATHER_COPY_IN,
         ALL_GATHER_COPY_OUT,
         FAKE_IMPLS,
+        RANK_SLOT,
         REDUCE_SCATTER_COPY_IN,
     )
 
@@ -342,13 +326,14 @@ def test_fake_impls_match_what_the_dispatcher_returns():
         gathered = mode.from_tensor(torch.zeros(4 * 23))
         grads = [mode.from_tensor(torch.zeros(9, 5)), mode.from_tensor(torch.zeros(10))]
         calls = [
-            (ALL_GATHER_COPY_IN, (shards, [15, 8], torch.bfloat16, 4, 1)),
+            (ALL_GATHER_COPY_IN, (shards, [15, 8], torch.bfloat16)),
             (ALL_GATHER_COPY_OUT, (gathered, [15, 8], [12, 5, 30], [2, 1], 4)),
             (REDUCE_SCATTER_COPY_IN, (grads, 4, torch.float32, 0.5)),
+            (RANK_SLOT, (gathered, "0", 23)),
         ]
         for op, args in calls:
             expected, got = op(*args), FAKE_IMPLS[op](*args)
             for e, g in zip(tree_leaves(expected), tree_leaves(got), strict=True):
                 assert (g.shape, g.stride(), g.dtype, g.device) == (e.shape, e.stride(), e.dtype, e.device), op
                 assert isinstance(g, type(e)), op
-    assert set(FAKE_IMPLS) == {ALL_GATHER_COPY_IN, ALL_GATHER_COPY_OUT, REDUCE_SCATTER_COPY_IN}
+    assert set(FAKE_IMPLS) == {ALL_GATHER_COPY_IN, ALL_GATHER_COPY_OUT, REDUCE_SCATTER_COPY_IN, RANK_SLOT}

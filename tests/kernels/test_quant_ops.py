@@ -108,13 +108,12 @@ def _sizes(shapes) -> tuple[list[int], list[int]]:
 
 
 def _gather(b, fulls, chunks, device="cpu") -> torch.Tensor:
-    """What the in-place all-gather leaves: every rank's slot from that rank's copy-in."""
-    world, layout = b["world"], quantize.slot_layout(chunks, b["block"])
+    """What the all-gather leaves: every rank's slot from that rank's copy-in, in rank order."""
+    world = b["world"]
     slots = []
     for r in range(world):
         shards = [_shard(f, world, r).to(device) for f in fulls]
-        buf = torch.ops.simplefsdp.quant_copy_in(shards, chunks, b["code"], b["block"], world, r)
-        slots.append(buf.view(world, layout.nbytes)[r].cpu())
+        slots.append(torch.ops.simplefsdp.quant_copy_in(shards, chunks, b["code"], b["block"]).cpu())
     return torch.cat(slots)
 
 
@@ -190,7 +189,7 @@ def test_scales_are_ieee_quotients(values, code):
 
 
 def _dequantize(x: torch.Tensor, code: torch.dtype, block: int, dtype: torch.dtype) -> torch.Tensor:
-    buf = torch.ops.simplefsdp.quant_copy_in([x], [x.numel()], code, block, 1, 0)
+    buf = torch.ops.simplefsdp.quant_copy_in([x], [x.numel()], code, block)
     (out,) = torch.ops.simplefsdp.quant_copy_out(buf, [x.numel()], [x.numel()], [1], 1, code, block, dtype)
     return out
 
@@ -236,12 +235,12 @@ def test_bad_inputs_are_named():
     x = torch.randn(16)
     copy_in, copy_out = torch.ops.simplefsdp.quant_copy_in, torch.ops.simplefsdp.quant_copy_out
     with pytest.raises(ValueError, match=r"code_dtype is torch.float16; supported: torch.int8, torch.float8_e4m3fn"):
-        copy_in([x], [16], torch.float16, 8, 1, 0)
+        copy_in([x], [16], torch.float16, 8)
     with pytest.raises(ValueError, match="block must be a power of two, got 96"):
-        copy_in([x], [16], torch.int8, 96, 1, 0)
+        copy_in([x], [16], torch.int8, 96)
     with pytest.raises(ValueError, match=r"shards\[0\] has 16 elements, more than its chunk of 8"):
-        copy_in([x], [8], torch.int8, 8, 1, 0)
-    buf = copy_in([x], [16], torch.int8, 8, 1, 0)  # 16 codes + 2 scales: 32 bytes
+        copy_in([x], [8], torch.int8, 8)
+    buf = copy_in([x], [16], torch.int8, 8)  # 16 codes + 2 scales: 32 bytes
     with pytest.raises(ValueError, match="gathered has 32 bytes; world 2 x slot 32 expected"):
         copy_out(buf, [16], [32], [1], 2, torch.int8, 8, torch.float32)
     with pytest.raises(ValueError, match="block must be a power of two, got 0"):

@@ -258,25 +258,28 @@ def test_the_quantized_copy_ops_cost_their_bytes_and_the_gather_copy_calls():
     from simplefsdp.kernels import quantize
     from simplefsdp.kernels.quant_ops import QUANT_COPY_IN, QUANT_COPY_OUT
 
-    world, rank, block, chunks, sizes = 2, 0, 128, [64, 256, 32], [128, 512, 64]
+    world, block, chunks, sizes = 2, 128, [64, 256, 32], [128, 512, 64]
     slot = quantize.slot_layout(chunks, block).nbytes
     with FakeTensorMode() as mode:
         shards = [mode.from_tensor(torch.empty(n)) for n in chunks]
-        buffer = QUANT_COPY_IN(shards, chunks, torch.int8, block, world, rank)
+        slot_val = QUANT_COPY_IN(shards, chunks, torch.int8, block)
+        buffer = slot_val.repeat(world)  # what the all-gather returns
         outs = QUANT_COPY_OUT(buffer, chunks, sizes, [1, 1, 1], world, torch.int8, block, torch.bfloat16)
-    assert buffer.shape == (world * slot,)
+    assert slot_val.shape == (slot,)
     graph = fx.Graph()
     inputs = [graph.placeholder(f"s{i}") for i in range(len(chunks))]
     for node, shard in zip(inputs, shards, strict=True):
         node.meta["val"] = shard
-    copy_in = graph.call_function(QUANT_COPY_IN, (inputs, chunks, torch.int8, block, world, rank))
-    copy_in.meta["val"] = buffer
+    copy_in = graph.call_function(QUANT_COPY_IN, (inputs, chunks, torch.int8, block))
+    copy_in.meta["val"] = slot_val
+    gathered = graph.placeholder("gathered")
+    gathered.meta["val"] = buffer
     copy_out = graph.call_function(
-        QUANT_COPY_OUT, (copy_in, chunks, sizes, [1, 1, 1], world, torch.int8, block, torch.bfloat16)
+        QUANT_COPY_OUT, (gathered, chunks, sizes, [1, 1, 1], world, torch.int8, block, torch.bfloat16)
     )
     copy_out.meta["val"] = outs
     cpu = cost.profile("cpu-gloo")
-    assert cost.node_seconds(cpu, copy_in) == pytest.approx((4 * sum(chunks) + world * slot) / cpu.memory_bytes_per_s)
+    assert cost.node_seconds(cpu, copy_in) == pytest.approx((4 * sum(chunks) + slot) / cpu.memory_bytes_per_s)
     assert cost.node_seconds(cpu, copy_out) == pytest.approx((world * slot + 2 * sum(sizes)) / cpu.memory_bytes_per_s)
     measured = dataclasses.replace(
         cpu, copy_ops=(("all_gather_copy_in", 5e-5, 1e-6), ("all_gather_copy_out", 3e-5, 7e-6))

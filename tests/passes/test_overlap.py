@@ -111,18 +111,15 @@ def _events(graph: fx.Graph) -> list[tuple[str, str]]:
     return events
 
 
-# a launch in inductor's code: `bufN = ...all_gather_into_tensor(...)` / `...reduce_scatter_tensor(...)`,
-# or, for a merged bucket's in-place all-gather, `...all_gather_into_tensor_out(..., out=bufN)`, and for
-# a gloo reduce-scatter bucket's in-place all-reduce (passes/backend.py), `...all_reduce_(bufN, ...)`
-_GATHER_OUT = re.compile(r"torch\.ops\._c10d_functional\.all_gather_into_tensor_out\.default\(.*out=(buf\d+)\)")
+# a launch in inductor's code: `bufN = ...all_gather_into_tensor(...)` / `...reduce_scatter_tensor(...)`
+# (a merged bucket's all-gather too: [Note: no rank in the graph] in passes/bucket.py), and for a gloo
+# reduce-scatter bucket's in-place all-reduce (passes/backend.py), `...all_reduce_(bufN, ...)`
 _ALL_REDUCE_IN_PLACE = re.compile(r"torch\.ops\._c10d_functional\.all_reduce_\.default\((buf\d+),")
 
 
 def _launched(line: str, collective: str) -> str | None:
     """The buffer a launch of `collective` ("all_gather_into_tensor", "reduce_scatter_tensor" or
     "all_reduce_") on `line` produces (the one its wait names), or None."""
-    if collective == "all_gather_into_tensor" and (m := _GATHER_OUT.search(line)):
-        return m.group(1)
     if collective == "all_reduce_":
         return m.group(1) if (m := _ALL_REDUCE_IN_PLACE.search(line)) else None
     m = re.search(rf"(buf\d+) = torch\.ops\._c10d_functional\.{collective}\.default\(", line)
