@@ -147,11 +147,6 @@ def test_a_warm_restart_and_a_resumed_run_hit_every_cache_and_train_bitwise(rank
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(
-    strict=True,
-    reason="rank 1 hits rank 0's entries only once the graphs and their keys hold no rank (FsdpPass.uuid, "
-    "the AOTAutograd DTensor key): until then rank 0 hits and rank 1 compiles its own",
-)
 def test_a_job_precompiled_in_one_process_serves_both_ranks(ranks2, tmp_path):
     """`--precompile`: local rank 0 runs `simplefsdp precompile` for the job (one process, the fake
     group) into an empty directory while rank 1 waits; then both ranks load it: one compile per job."""
