@@ -48,14 +48,19 @@ def simulating(backend: str) -> Iterator[None]:
 def reduces_in_place(group_name: str) -> bool:
     """Whether a reduce-scatter bucket on process group `group_name` is issued as an in-place all-reduce
     of its copy-in buffer ([Note: gloo's reduce-scatter is an all-reduce of a copy])."""
-    backend = str(dist.get_backend(resolve_process_group(group_name)))
-    if backend == "fake":
-        backend = _SIMULATED.get()
-    return is_gloo(backend)
+    return is_gloo(_issuing(str(dist.get_backend(resolve_process_group(group_name)))))
+
+
+def _issuing(backend: str) -> str:
+    """The backend whose collectives a graph on `backend` is bucketed for: the simulated one on the fake group."""
+    return _SIMULATED.get() if backend == "fake" else backend
 
 
 def cache_tag() -> str:
     """What of the backends decides the pass's output in this process, for the compile cache key
-    (`FsdpPass.uuid`): the default group's backend and the simulated one ("" where none is set)."""
-    backend = str(dist.get_backend()) if dist.is_available() and dist.is_initialized() else ""
-    return f"{backend}:{_SIMULATED.get()}"
+    (`FsdpPass.uuid`): how the default group's reduce-scatter buckets are issued ("" outside a
+    group). The fake group simulating gloo tags as gloo does, so a job precompiled on the fake group
+    (`simplefsdp precompile`) keys its graphs as the job's ranks do."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return ""
+    return "in-place all-reduce" if is_gloo(_issuing(str(dist.get_backend()))) else "reduce-scatter"

@@ -430,6 +430,44 @@ def eager_top_frame(fn: Callable) -> Callable:
     return functools.update_wrapper(rebuilt, fn)
 
 
+# Inductor's cache directory: `cache_dir()` (TORCHINDUCTOR_CACHE_DIR, else torch's default under the
+# temp directory; it creates the folder) and `temporary_cache_dir(path)` (sets the variable for a
+# block and clears inductor's in-memory caches on entry and exit, so nothing compiled against another
+# directory is served from memory). torch._inductor.runtime.cache_dir_utils: checked on 2.13.
+# The compile counters Dynamo, AOTAutograd and inductor keep per process (`counters[stage][name]`,
+# e.g. inductor "fxgraph_cache_hit", aot_autograd "autograd_cache_miss", stats "unique_graphs").
+# torch._dynamo.utils.counters: checked on 2.13. The seconds Dynamo's frame compiles took, the
+# compile backend's (AOTAutograd + inductor) included: `calculate_time_spent()` ->
+# {"entire_frame_compile": s, "backend_compile": s, ...} since the process started. Checked on 2.13.
+def inductor_cache_dir() -> str:
+    """Torch's inductor cache directory as this process sees it now (created if missing)."""
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    return cache_dir()
+
+
+def using_inductor_cache_dir(path: str) -> contextlib.AbstractContextManager:
+    """Within the block, inductor (and the Triton kernels it compiles) caches under `path`."""
+    from torch._inductor.runtime.cache_dir_utils import temporary_cache_dir
+
+    return temporary_cache_dir(path)
+
+
+def compile_counters() -> dict:
+    """The process's compile counters: `[stage][name] -> int` (absent names read 0)."""
+    from torch._dynamo.utils import counters
+
+    return counters
+
+
+def compile_seconds() -> tuple[float, float]:
+    """(seconds in Dynamo's frame compiles, of which in the compile backend) since the process started."""
+    from torch._dynamo.utils import calculate_time_spent
+
+    spent = calculate_time_spent()
+    return spent.get("entire_frame_compile", 0.0), spent.get("backend_compile", 0.0)
+
+
 def major_minor(version: str) -> tuple[int, int]:
     """(2, 13) for "2.13.0+cpu", "2.13.0a0+git1234" or "2.13.0.dev20260101"."""
     major, minor = version.split(".")[:2]

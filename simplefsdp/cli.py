@@ -2,6 +2,7 @@
 
     simplefsdp inspect MODEL [options]     # simplefsdp/inspect/cli.py
     simplefsdp train [options]             # simplefsdp/train/cli.py
+    simplefsdp precompile [train options]  # simplefsdp/train/precompile.py
     simplefsdp calibrate [options]         # simplefsdp/calibrate/cli.py
 
 A subcommand module provides `main(argv) -> int`; add one with an entry in `_SUBCOMMANDS`.
@@ -18,6 +19,7 @@ __all__ = ["main"]
 _SUBCOMMANDS = {
     "inspect": ("simplefsdp.inspect.cli", "dry-run a model: buckets, schedule, memory, timeline pictures"),
     "train": ("simplefsdp.train.cli", "train a Llama-style model (2 CPU ranks by default, or torchrun's)"),
+    "precompile": ("simplefsdp.train.precompile", "compile a train job ahead of its ranks, into its compile cache"),
     "calibrate": ("simplefsdp.calibrate.cli", "measure this machine and write a cost-model profile file"),
 }
 

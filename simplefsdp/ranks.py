@@ -60,7 +60,15 @@ from simplefsdp import gloo
 from simplefsdp._compat import set_torch_logs
 from simplefsdp.cpu_memory import keep_freed_memory
 
-__all__ = ["RankFailedError", "gets_the_result", "run_on_ranks", "setup_rank_logging", "under_torchrun"]
+__all__ = [
+    "RankFailedError",
+    "gets_the_result",
+    "run_on_ranks",
+    "setup_rank_logging",
+    "spawn_world",
+    "spawned_rank_threads",
+    "under_torchrun",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -156,7 +164,7 @@ def _spawned(
 ) -> None:
     _setup_logging(rank, loggers, verbose=verbose)
     if device_type == "cpu":
-        torch.set_num_threads(max(1, (os.cpu_count() or world) // world))
+        torch.set_num_threads(spawned_rank_threads(world))
         keep_freed_memory()  # [Note: freed memory kept on the CPU] in `cpu_memory.py`
 
     reported = False
@@ -197,6 +205,11 @@ def _reports(results: mp.Queue) -> list[tuple[int, object, str | None]]:
         while True:
             reports.append(results.get(timeout=1.0))
     return reports
+
+
+def spawned_rank_threads(world: int) -> int:
+    """The intra-op threads of each of `world` CPU ranks spawned here: an equal share of the cores."""
+    return max(1, (os.cpu_count() or world) // world)
 
 
 def spawn_world(nproc: int | None, device_type: str) -> int:

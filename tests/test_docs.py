@@ -4,7 +4,7 @@ result records' headers and the README's quote of the latest scoreboard.
 - The example: in the fast tier on one rank in this process, compiled with `simplefsdp_aot_eager`
   (the same trace and pass, no inductor: seconds); in the slow tier as the README says to run it,
   under torchrun with 2 gloo ranks and inductor.
-- Commands: each `simplefsdp train | inspect | calibrate ...` line (and `-m simplefsdp.train` /
+- Commands: each `simplefsdp train | inspect | calibrate | precompile ...` line (and `-m simplefsdp.train` /
   `-m simplefsdp.calibrate` under torchrun) in README.md, docs/ and bench/README.md goes through
   `simplefsdp.cli.main` with argparse stopped right after it parsed: the subcommand's real parser
   accepts the flags, and nothing runs. A renamed flag fails here.
@@ -125,7 +125,7 @@ def test_readme_example_runs_under_torchrun_on_two_ranks(tmp_path):
 
 # ------------------------------------------------------------------------------------------ commands
 
-_SUBCOMMANDS = ("train", "inspect", "calibrate")
+_SUBCOMMANDS = ("train", "inspect", "calibrate", "precompile")
 _MODULES = {f"simplefsdp.{name}": name for name in ("train", "calibrate")}  # `python -m` / torchrun entry points
 _SHELL_END = {"&&", "||", ";", "|", ">", ">>"}
 
@@ -157,7 +157,8 @@ def _commands(path: Path) -> list[tuple[str, list[str]]]:
             if argv is not None:
                 found.append((f"{_rel(path)}: {line.strip()}", argv))
     for span in re.findall(r"`([^`]+)`", _FENCE.sub("", text)):  # a span may continue on the next line
-        argv = _argv(shlex.split(span)) if re.search(r"\bsimplefsdp[ .](train|inspect|calibrate)\b", span) else None
+        named = re.search(r"\bsimplefsdp[ .](train|inspect|calibrate|precompile)\b", span)
+        argv = _argv(shlex.split(span)) if named else None
         if argv is not None and len(argv) > 1:
             found.append((f"{_rel(path)}: `{' '.join(span.split())}`", argv))
     return found
@@ -204,7 +205,7 @@ def test_documented_command_parses(where, argv):
     assert ok, f"{where}\n-> simplefsdp {' '.join(argv)}\n{printed}"
 
 
-@pytest.mark.parametrize("command", ["train", "inspect tiny", "calibrate"])
+@pytest.mark.parametrize("command", ["train", "inspect tiny", "calibrate", "precompile"])
 def test_the_command_check_rejects_an_unknown_flag(command):
     assert _parses([*command.split(), "--no-such-flag"])[0] is False
     assert _parses(command.split())[0] is True

@@ -19,8 +19,11 @@ with `passes/install.py`'s `running(...)` on the partitioned forward and backwar
 see `running`). A wrapped model's forward, which installs its own pass while
 it compiles, finds its pass in the chain already when `graph_pass` is `pass_of(model)` and adds
 nothing. Compile caches are off inside the block, so every compile really happens and every pass
-really runs; the backward is lowered together with the forward, inside the block. Other backends
-(`"eager"`, plain `"aot_eager"`) run no post-grad pass: nothing is recorded.
+really runs -- unless `caches=True` (`simplefsdp train`'s compile cache), where a graph served from
+the caches is not compiled and so not recorded: a step found whole in the caches records nothing,
+and the recorders' `uuid()`s key its entries apart from those of unrecorded compiles. The backward
+is lowered together with the forward, inside the block. Other backends (`"eager"`, plain
+`"aot_eager"`) run no post-grad pass: nothing is recorded.
 
 Invariant: no compiler setting outlives the block.
 """
@@ -96,15 +99,17 @@ class StepGraphs:
 
 
 @contextlib.contextmanager
-def recording(graph_pass: CustomGraphPass | None = None) -> Iterator[StepGraphs]:
+def recording(graph_pass: CustomGraphPass | None = None, *, caches: bool = False) -> Iterator[StepGraphs]:
     """Compiles inside the block record their post-grad graphs before and after `graph_pass` (None:
     no pass, and one record serves as both: `pre` and `post` are the same graphs, to be read, not
-    changed); see [Note: how graphs are recorded]."""
+    changed); `caches`: the compile caches stay as configured (a hit records nothing); see [Note:
+    how graphs are recorded]."""
     pre, post = GraphRecorder("simplefsdp-record-pre"), GraphRecorder("simplefsdp-record-post")
+    uncached = {} if caches else {"enable_autograd_cache": False}
     with (
         running([pre] if graph_pass is None else [pre, graph_pass, post]),
-        inductor_config.patch(fx_graph_cache=False),
-        functorch_config.patch(force_non_lazy_backward_lowering=True, enable_autograd_cache=False),
+        inductor_config.patch({} if caches else {"fx_graph_cache": False}),
+        functorch_config.patch(force_non_lazy_backward_lowering=True, **uncached),
     ):
         yield StepGraphs(pre=pre.graphs, post=pre.graphs if graph_pass is None else post.graphs)
 

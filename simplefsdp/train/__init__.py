@@ -8,6 +8,7 @@ batches), `loop.py` (model, steps, checkpoints), `schedule.py` (learning rate by
 `grad_norm.py` (global gradient norm, clipping), `evaluate.py` (held-out loss, text sample),
 `hf_model.py` (`--model`: Hugging Face causal LMs, `--init-from`), `comm.py` (the communication
 summary), `output.py` (rank 0's bar, summary line and run folder), `plot.py` (the loss curve),
+`job_cache.py` (the run's compile-cache entry), `precompile.py` (`simplefsdp precompile`),
 `launch.py` (torchrun or spawn), `cli.py` (the command).
 The names load on first use ([Note: lazy package exports] in `simplefsdp/_lazy.py`).
 """

@@ -50,8 +50,11 @@ class CommSummary:
     profile: str = ""
     peak_bytes: int = 0
     peak_bytes_before_pass: int = 0
+    from_cache: bool = False  # untraced because the compile cache served the step, with no summary of it
 
     def line(self) -> str:
+        if self.from_cache:
+            return "comm: the step's graphs came from the compile cache, which holds no summary of them"
         if not self.traced:
             return "comm: eager mode, collectives issued one per parameter use (nothing traced to bucket or count)"
         text = f"comm: {self.collectives} collectives/step (from {self.collectives_before_pass} traced)"

@@ -120,6 +120,16 @@ class TrainConfig:
         f"{GATHER_BLOCKS[0]} to {GATHER_BLOCKS[1]}",
     )
     backend: str = _field("inductor", "torch.compile backend; eager: no compile", ("inductor", "aot_eager", "eager"))
+    compile_cache: str = _field(
+        "",
+        "where the job's compile artifacts live: DIR/simplefsdp-<key>/ with a manifest of what they were "
+        "compiled for (a `simplefsdp precompile` directory); default: torch's inductor cache directory",
+    )
+    precompile: bool = _field(
+        False,
+        "without a matching compile-cache entry, one process per machine compiles the job first (as "
+        "`simplefsdp precompile`) while the ranks wait; then every rank loads it",
+    )
     bucket_plan: str = _field("blocks", "simplefsdp bucket plan; none: passes off", ("blocks", "auto", "cap", "none"))
     bucket_cap_mib: float = _field(64.0, "cap / auto plans: MiB per bucket")
     memory_budget: str = _field("", "auto plan: bytes the pass may add to a graph's peak, 0.25 (a fraction) or 512MiB")
@@ -205,6 +215,8 @@ class TrainConfig:
             except ValueError as error:
                 raise ConfigError(str(error)) from None
         self._check_gather()
+        if self.backend == "eager" and (self.compile_cache or self.precompile):
+            raise ConfigError("compile_cache and precompile are for a compiled step; backend eager compiles none")
         if self.device_memory_limit and self.offload != "auto":
             raise ConfigError(f"device_memory_limit is for offload auto; got offload {self.offload!r}")
         if self.profile != "auto":

@@ -44,6 +44,7 @@ from torch.distributed.tensor.parallel import parallelize_module
 import simplefsdp
 from simplefsdp import checkpoint
 from simplefsdp.accelerate_config import blocks_of_classes
+from simplefsdp.compile_cache import StageCounts
 from simplefsdp.inspect.record import recording
 from simplefsdp.loss_scaling import CHECKPOINT_KEY
 from simplefsdp.models import Transformer, TransformerArgs, tensor_parallel_plan
@@ -55,11 +56,12 @@ from simplefsdp.train.config import ConfigError, TrainConfig, shape_of
 from simplefsdp.train.data import CORPUS, VOCAB, TokenBatches, encode, repeated_corpus, split
 from simplefsdp.train.evaluate import HeldOut, lm_loss
 from simplefsdp.train.grad_norm import clip_grad_norm, grad_norm
+from simplefsdp.train.job_cache import JobCache, job_cache
 from simplefsdp.train.output import RunOutput, summary_line
 from simplefsdp.train.quiet import drop_benign_torch_warnings
 from simplefsdp.train.schedule import lr_at
 
-__all__ = ["TrainOutcome", "build_model", "check_model", "train"]
+__all__ = ["TrainOutcome", "build_model", "check_model", "token_batches", "train"]
 
 logger = logging.getLogger(__name__)
 
@@ -76,6 +78,7 @@ class TrainOutcome:
     skipped_steps: int = 0  # steps the float16 loss scaler skipped (an inf or nan in a gradient)
     eval_loss: float | None = None  # the held-out loss at the end (--eval-every); None: not measured
     sample: str = ""  # the text sampled at the end (--sample-tokens); empty: none
+    compile_cache: dict[str, Any] | None = None  # the entry and the first step's hits (JobCache.record)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -235,6 +238,21 @@ def build_model(
     return TrainSetup(model=model, step_fn=step_fn, dp_rank=dp_rank, dp_size=dp_size, corpus=corpus)
 
 
+def token_batches(config: TrainConfig, setup: TrainSetup) -> TokenBatches:
+    """This rank's training batches, from the first; ConfigError where the corpus cannot fill them."""
+    try:
+        return TokenBatches(
+            seq_len=config.seq_len,
+            batch_per_rank=config.batch_per_rank,
+            dp_rank=setup.dp_rank,
+            dp_size=setup.dp_size,
+            seed=config.seed,
+            ids=setup.corpus,
+        )
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+
+
 def check_fresh_start(config: TrainConfig) -> None:
     """Without --resume, refuse a checkpoint directory that already holds checkpoints (they would mix runs)."""
     if config.resume:
@@ -322,33 +340,33 @@ def _save(config: TrainConfig, setup: TrainSetup, optim: _Optimization, batches:
 def train(
     config: TrainConfig, *, device: torch.device, offload_plan: simplefsdp.OffloadPlan | None = None
 ) -> TrainOutcome:
-    """Run the steps from the resumed (or first) step to `config.steps`; see the module docstring."""
+    """Run the steps from the resumed (or first) step to `config.steps`; see the module docstring.
+    The compiles cache into the job's entry (`job_cache.py`)."""
     check_fresh_start(config)
+    with job_cache(config, device=device, mesh=mesh_dims(config, dist.get_world_size())) as cache:
+        return _train(config, device=device, offload_plan=offload_plan, cache=cache)
+
+
+def _train(
+    config: TrainConfig, *, device: torch.device, offload_plan: simplefsdp.OffloadPlan | None, cache: JobCache | None
+) -> TrainOutcome:
     setup = build_model(config, device, offload_plan=offload_plan)
     optim = _Optimization(
         torch.optim.AdamW(setup.model.parameters(), lr=config.lr), simplefsdp.grad_scaler(setup.model), config, device
     )
-    try:
-        batches = TokenBatches(
-            seq_len=config.seq_len,
-            batch_per_rank=config.batch_per_rank,
-            dp_rank=setup.dp_rank,
-            dp_size=setup.dp_size,
-            seed=config.seed,
-            ids=setup.corpus,
-        )
-    except ValueError as err:
-        raise ConfigError(str(err)) from None
+    batches = token_batches(config, setup)
     held = HeldOut.of(config, setup.corpus, dp_rank=setup.dp_rank, dp_size=setup.dp_size)
     start = _resume(config, setup, optim, batches)
-    out = RunOutput(config, start=start, enabled=dist.get_rank() == 0)
+    out = RunOutput(
+        config, start=start, enabled=dist.get_rank() == 0, compiling="compile" if cache is None else cache.label
+    )
     parameters = sum(p.numel() for p in setup.model.parameters())  # DTensors: their global sizes
     mesh = mesh_dims(config, dist.get_world_size())
     out.say(summary_line(config, parameters=parameters, mesh=mesh, tokens_per_step=_tokens(config, setup), start=start))
     if optim.scaler is not None:
         out.say(f"float16: the loss is scaled (initial scale {optim.scaler.get_scale():g}); skipped steps are counted")
     try:
-        outcome = _steps(config, setup, optim, batches, out, held, start=start, device=device)
+        outcome = _steps(config, setup, optim, batches, out, held, start=start, device=device, cache=cache)
         out.steps_done()  # the bar ends with the steps: the sample prints below it
         if config.sample_tokens and outcome.end_step > start:
             # [Note: one no-grad graph] in evaluate.py: compiled only where evaluation compiled it
@@ -377,6 +395,7 @@ def _steps(
     *,
     start: int,
     device: torch.device,
+    cache: JobCache | None,
 ) -> TrainOutcome:
     tokens_per_step = _tokens(config, setup)
     losses, rates, summary, skipped, eval_loss = [], [], comm.CommSummary(traced=False), 0, None
@@ -386,9 +405,13 @@ def _steps(
         began = time.perf_counter()
         scale = {} if optim.scaler is None else {"loss_scale": optim.scaler.get_scale()}
         if first and config.backend != "eager":
-            with recording(pass_of(setup.model)) as graphs:  # the compiling call: keep its graphs
+            counted = StageCounts.now()
+            with recording(pass_of(setup.model), caches=cache is not None) as graphs:  # the compiling call
                 loss = _forward_backward(setup.step_fn, tokens, optim.scaler)
             summary = comm.summarize(setup.model, graphs, profile=cost.profile(profile_name(config, device)))
+            if cache is not None:  # graphs the caches served were not traced: the entry keeps their summary
+                summary, hits = cache.compiled(summary, StageCounts.now().since(counted))
+                out.say(hits)
         else:
             loss = _forward_backward(setup.step_fn, tokens, optim.scaler)
         stepped, optimized = optim.step(step)
@@ -422,6 +445,7 @@ def _steps(
         comm=summary,
         skipped_steps=skipped,
         eval_loss=eval_loss,
+        compile_cache=None if cache is None else cache.record,
     )
 
 
@@ -457,5 +481,6 @@ def _summary_record(outcome: TrainOutcome) -> dict[str, Any]:
         "tokens_per_s": outcome.tokens_per_s,
         "eval_loss": outcome.eval_loss,
         "sample": outcome.sample,
+        "compile_cache": outcome.compile_cache,
         **dataclasses.asdict(outcome.comm),
     }

@@ -1,9 +1,9 @@
 """What rank 0 of `simplefsdp train` shows and keeps: the progress bar, the start-up summary line and
 the run folder.
 
-    out = RunOutput(config, start=0, enabled=dist.get_rank() == 0)
+    out = RunOutput(config, start=0, enabled=dist.get_rank() == 0, compiling="compile (cold)")
     out.say(summary_line(config, parameters=n, mesh=(("dp", 2),), tokens_per_step=1024, start=0))
-    out.step({"step": 1, "loss": 4.2, "seconds": 9.1, "tokens_per_s": 112.5}, compiling=True)
+    out.step({"step": 1, "loss": 4.2, "seconds": 9.1, "tokens_per_s": 112.5}, compiling=True)  # "compile (cold)"
     out.finish({"start_step": 0, ...})   # the summary record, the loss curve
     out.close()
 
@@ -85,8 +85,10 @@ def _tensorboard_writer(path: Any) -> Any:
 class RunOutput:
     """Rank 0's progress bar and run folder; silent on the other ranks (see the module docstring)."""
 
-    def __init__(self, config: TrainConfig, *, start: int, enabled: bool) -> None:
+    def __init__(self, config: TrainConfig, *, start: int, enabled: bool, compiling: str = "compile") -> None:
+        """`compiling`: what the bar shows for the first (compiling) step, e.g. "compile (warm)"."""
         self.enabled, self.every, self.plot_every = enabled, 10, config.plot_every
+        self.compiling = compiling
         self.eval_loss: float | None = None  # the latest held-out loss, which the bar keeps showing
         show = enabled and config.progress
         self.bar = tqdm(total=config.steps, initial=start, disable=not show, file=sys.stderr, unit="step")
@@ -106,7 +108,7 @@ class RunOutput:
     def step(self, record: dict[str, Any], *, compiling: bool) -> None:
         if not self.enabled:
             return
-        rate = "compile" if compiling else f"{record['tokens_per_s']:,.0f} tok/s"
+        rate = self.compiling if compiling else f"{record['tokens_per_s']:,.0f} tok/s"
         scale = f" | scale {record['loss_scale']:g}" if "loss_scale" in record else ""
         self.eval_loss = record.get("eval_loss", self.eval_loss)
         held = f" | eval {self.eval_loss:.4f}" if self.eval_loss is not None else ""
