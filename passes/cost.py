@@ -119,6 +119,7 @@ from simplefsdp.kernels.copy_ops import ALL_GATHER_COPY_IN, ALL_GATHER_COPY_OUT,
 from simplefsdp.kernels.quant_ops import QUANT_COPY_IN, QUANT_COPY_OUT
 from simplefsdp.passes.collectives import Collective, is_communication, is_view_of_input
 from simplefsdp.passes.liveness import sized_by_this_rank
+from simplefsdp.passes.region_inputs import BODY_KEY
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -506,6 +507,8 @@ def node_seconds(device: DeviceProfile, node: fx.Node) -> float:
     """Roofline seconds of one compute node (0 for placeholders, outputs and what moves no data) times
     the profile's `compute_scale`, plus a bucket copy op's call overhead where the profile measured it
     (`copy_call_seconds`)."""
+    if BODY_KEY in node.meta:  # a region's call (`region_inputs.note_region_bodies`): its body's nodes
+        return sum(node_seconds(device, inner) for inner in node.meta[BODY_KEY].graph.nodes)
     if node.op != "call_function" or "val" not in node.meta or _moves_no_data(node):
         return 0.0
     args = fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta.get("val"))

@@ -81,7 +81,7 @@ from simplefsdp._compat import (
 from simplefsdp.activation_checkpoint import has_checkpointed_blocks
 from simplefsdp.class_swap import subclass
 from simplefsdp.passes.fsdp_pass import FsdpPass, code_fingerprint
-from simplefsdp.passes.region_inputs import ForwardRegionInputs
+from simplefsdp.passes.region_inputs import ForwardRegionInputs, note_region_bodies
 from simplefsdp.passes.uneven import fold_uneven_reductions
 from simplefsdp.regions import has_regions, refresh_keys
 
@@ -121,6 +121,8 @@ class ChainedPass(CustomInferenceAwareGraphPass or CustomGraphPass):
         # simplefsdp's own passes (those with `skips_region_bodies`) leave it alone, so the pass sees,
         # and a recording keeps, exactly the step's forward and backward; other passes run on it.
         body = is_region_body(graph.owning_module)
+        if not body:
+            note_region_bodies(graph)
         for graph_pass in self.passes:
             if body and getattr(graph_pass, "skips_region_bodies", False):
                 continue

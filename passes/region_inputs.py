@@ -29,7 +29,9 @@ from torch import fx
 
 from simplefsdp._compat import CustomGraphPass, OpOverload
 
-__all__ = ["ForwardRegionInputs", "forward_region_inputs"]
+__all__ = ["BODY_KEY", "ForwardRegionInputs", "forward_region_inputs", "note_region_bodies"]
+
+BODY_KEY = "simplefsdp_region_body"  # node.meta key: the body (a GraphModule) an invoke_subgraph node calls
 
 
 def forward_region_inputs(graph: fx.Graph) -> int:
@@ -75,6 +77,17 @@ def _views_of_input(node: object, inputs: list[fx.Node]) -> list[fx.Node] | None
     if not isinstance(node, fx.Node):
         return None
     return [node, *reversed(chain)]
+
+
+def note_region_bodies(graph: fx.Graph) -> None:
+    """Give each invoke_subgraph node of `graph` its body under `node.meta[BODY_KEY]`, so that what
+    reads a copy of the graph (a recording has no owning module) can still see what the call
+    computes: the cost model prices a call as its body (`cost.node_seconds`)."""
+    owner = graph.owning_module
+    for call in graph.find_nodes(op="call_function", target=torch.ops.higher_order.invoke_subgraph):
+        body = getattr(owner, call.args[0].target, None) if owner is not None else None
+        if isinstance(body, fx.GraphModule):
+            call.meta[BODY_KEY] = body
 
 
 class ForwardRegionInputs(CustomGraphPass):
