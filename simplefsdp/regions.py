@@ -19,7 +19,9 @@ repeated block (`Region[<class>]`) splits its forward in two while compiling:
   tensor as it is, `parametrize.py`).
 
 Forward: gathers -> invoke_subgraph(body); backward: invoke_subgraph(body's backward) -> the
-gradients of the gathered tensors -> reductions. Eager calls run the forward as it was.
+gradients of the gathered tensors -> reductions. Eager calls run the forward as it was. Step time
+and memory are those of the whole-graph compile (bench/results/measurements.md, "regions: step
+time and memory unchanged").
 
 [Note: what decides that two blocks share one region]
 Dynamo's automatic reuse refuses a subgraph with side effects, and `functional_call` swaps the
