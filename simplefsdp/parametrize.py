@@ -40,9 +40,9 @@ _ORIGINAL_CLASS_ATTR = "_simplefsdp_unsharded_class"
 def _gathered_property(name: str) -> property:
     def get(self: nn.Module):
         param = self._parameters[name]
+        if not isinstance(param, nn.Parameter):  # the gathered value, put in by a region (`regions.py`)
+            return param
         if not isinstance(param, DTensor):
-            if not isinstance(param, nn.Parameter):  # the gathered value, put in by a region (`regions.py`)
-                return param
             owner = user_class(self).__name__
             raise TypeError(
                 f"parameter {name!r} of {owner} was replaced after simplefsdp.wrap() by a "

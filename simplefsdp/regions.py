@@ -58,7 +58,6 @@ import hashlib
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 from torch.func import functional_call
 
 from simplefsdp._compat import nested_compile_region
@@ -77,7 +76,9 @@ _PLAIN = (int, float, str, bool, type(None), enum.Enum, torch.dtype, torch.devic
 
 def install_regions(root: nn.Module, blocks: list[str]) -> None:
     """Make each of `blocks` (FQNs under `root`, e.g. from `find_repeated_blocks`) a nested compile
-    region while `root` compiles. A block without sharded parameters is left as it is."""
+    region while `root` compiles. A block without sharded parameters, or with tensor-parallel ones
+    (their gathered values are DTensors, which a region body does not take: torch 2.13 fails the
+    body's first op mixing them with plain tensors), is left as it is."""
     regions = []
     for fqn in blocks:
         block = root.get_submodule(fqn)
@@ -86,13 +87,17 @@ def install_regions(root: nn.Module, blocks: list[str]) -> None:
             for name, module in block.named_modules()
             for param in sorted(getattr(module, _SPECS_ATTR, {}))
         )
-        if not members:
+        if not members or any(_tensor_parallel(block, name, param) for _, name, param in members):
             continue
         object.__setattr__(block, _MEMBERS_ATTR, members)
         block.__class__ = _region_class(type(block))
         regions.append(block)
     object.__setattr__(root, _ROOT_ATTR, tuple(regions))
     refresh_keys(root)
+
+
+def _tensor_parallel(block: nn.Module, name: str, param: str) -> bool:
+    return getattr(block.get_submodule(name), _SPECS_ATTR)[param].tp is not None
 
 
 def has_regions(root: nn.Module) -> bool:
@@ -146,9 +151,10 @@ def _value_key(value: object, seen: dict[int, int]) -> object:
 
 
 def _substituted(block: nn.Module) -> bool:
-    """Whether `functional_call` has put plain tensors in place of the block's sharded parameters."""
+    """Whether `functional_call` has put the gathered tensors in place of the block's sharded
+    parameters (a gathered tensor is no `nn.Parameter`; under tensor parallelism it is a DTensor too)."""
     _, name, param = getattr(block, _MEMBERS_ATTR)[0]
-    return not isinstance(block.get_submodule(name)._parameters[param], DTensor)
+    return not isinstance(block.get_submodule(name)._parameters[param], nn.Parameter)
 
 
 def _flatten(args: tuple, kwargs: dict) -> list | None:

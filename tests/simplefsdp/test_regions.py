@@ -3,7 +3,8 @@
 Graph structure on the fake process group (world 8): one traced body for every block, the
 collectives in the step's graphs where the passes bucket and prefetch them as without regions.
 Numbers on 2 gloo ranks: a few steps with and without regions are bitwise equal, also with
-activation checkpointing, a `no_sync` step and tied / frozen parameters (slow).
+activation checkpointing, a `no_sync` step and tied / frozen parameters (slow). Tensor-parallel
+blocks are not made regions (`regions.install_regions`); `test_tensor_parallel.py` runs them.
 """
 
 from __future__ import annotations
@@ -74,8 +75,8 @@ def test_regions_are_off_on_request_and_for_the_auto_plan(fake_world8):
 
 @pytest.mark.slow
 def test_steps_with_regions_are_bitwise_the_steps_without(ranks2):
-    """Inductor, 2 gloo ranks: tied and frozen parameters (the LoRA model), activation checkpointing
-    of every block, a `no_sync` step then two synchronized ones."""
+    """2 gloo ranks: tied and frozen parameters (the LoRA model), activation checkpointing of every
+    block, a `no_sync` step then two synchronized ones."""
     with_regions, without = ranks2.run(worker.losses_and_grads, True), ranks2.run(worker.losses_and_grads, False)
     for (losses, params), (plain_losses, plain_params) in zip(with_regions, without, strict=True):
         assert losses == plain_losses
