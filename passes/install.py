@@ -37,8 +37,8 @@ without a pass gets the same eager wrapper, named `CompileScope[...]`, and enter
 
 Consequences:
 - unrelated compiles never see the pass, nor the per-rank keys: both end when the call returns;
-- the compile caches stay correct: the pass's `uuid()` (its config, groups and this process's
-  rank, see [Note: the rank is part of the cache key]) is part of the key, and its decisions
+- the compile caches stay correct: the pass's `uuid()` (its config, groups and code, not the
+  rank, see [Note: the rank is not part of the cache key]) is part of the key, and its decisions
   depend only on the graph, which is keyed already;
 - a `post_grad_custom_post_pass` the user set globally or with `config.patch` runs too, after
   ours, on the graph ours produced (`ChainedPass`); one passed as `torch.compile(...,

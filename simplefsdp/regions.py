@@ -76,9 +76,11 @@ _PLAIN = (int, float, str, bool, type(None), enum.Enum, torch.dtype, torch.devic
 
 def install_regions(root: nn.Module, blocks: list[str]) -> None:
     """Make each of `blocks` (FQNs under `root`, e.g. from `find_repeated_blocks`) a nested compile
-    region while `root` compiles. A block without sharded parameters, or with tensor-parallel ones
-    (their gathered values are DTensors, which a region body does not take: torch 2.13 fails the
-    body's first op mixing them with plain tensors), is left as it is."""
+    region while `root` compiles. Left as it is: a block without sharded parameters; one with
+    tensor-parallel ones (their gathered values are DTensors, which a region body does not take:
+    torch 2.13 fails the body's first op mixing them with plain tensors); one holding buffers (a
+    region body may not write its inputs in training, and a batch norm's running statistics are
+    written by its forward)."""
     regions = []
     for fqn in blocks:
         block = root.get_submodule(fqn)
@@ -88,6 +90,8 @@ def install_regions(root: nn.Module, blocks: list[str]) -> None:
             for param in sorted(getattr(module, _SPECS_ATTR, {}))
         )
         if not members or any(_tensor_parallel(block, name, param) for _, name, param in members):
+            continue
+        if next(block.buffers(), None) is not None:
             continue
         object.__setattr__(block, _MEMBERS_ATTR, members)
         block.__class__ = _region_class(type(block))

@@ -30,6 +30,7 @@ def measured_peak(shape_name: str, choice: Choice, *, device: str) -> int:
         strategy=choice.strategy,
         mp_policy=simplefsdp.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
         passes=choice.passes(device=device),
+        compile_regions=False,  # as the dry run traced it: every op in the step's graph, for LiveTensorBytes too
     )
     compiled = torch.compile(model, backend=BACKEND_NAME, fullgraph=True)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
